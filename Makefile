@@ -1,0 +1,49 @@
+# shipyard: the two commands people need are `make quickstart` and `make test`.
+# Both install what they need into .venv first (pinned by requirements.lock).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+QS     := runs/quickstart
+
+.PHONY: install quickstart test test-slow test-all lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
+	touch $(STAMP)
+
+# The whole pipeline on the embedded default corpus (the stdlib source):
+# byte tokens -> 200 training steps of `tiny` -> plots + report.md.
+quickstart: install
+	$(BIN)/shipyard data bytes --out $(QS)/data/train.npy
+	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/train.npy --run-dir $(QS)/run --overwrite
+	$(BIN)/shipyard report $(QS)/run
+
+# Default tier: everything but the end-to-end runs marked slow.
+test: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench
+
+format: install
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+bench: install
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,125 @@
+"""The `shipyard` command: parse, dispatch, turn errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shipyard.errors import ConfigError, ShipyardError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr with exit code 2, like every other input error."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _cmd_config_show(args) -> int:
+    from shipyard.config import load_config, to_yaml
+    from shipyard.model.transformer import num_params
+
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(f"# parameters: {num_params(cfg.model)}\n")
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from shipyard.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from shipyard.train.trainer import train
+
+    train(cfg, run_dir=args.run_dir, overwrite=args.overwrite, debug_nans=args.debug_nans)
+    return 0
+
+
+def _cmd_data_bytes(args) -> int:
+    from shipyard.data.bytecorpus import write_byte_tokens
+
+    stats = write_byte_tokens(args.out, split=args.split, max_bytes=args.max_bytes)
+    print(
+        f"wrote {stats['tokens']:,} byte tokens from {stats['files']} stdlib files ({args.split}) to {args.out}"
+    )
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from shipyard.report import write_report
+
+    out = write_report(args.run_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shipyard", description="Train, evaluate and export language models in JAX.")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on error")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    cfg = sub.add_parser("config", help="inspect configs")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
+    show = cfg_sub.add_parser(
+        "show", help="print the resolved config as YAML, ending with the parameter count"
+    )
+    show.add_argument("config", help="preset name or YAML file")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.optimizer.lr=3e-4")
+    show.set_defaults(func=_cmd_config_show)
+
+    tr = sub.add_parser("train", help="train a model")
+    tr.add_argument("config", help="preset name or YAML file")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    tr.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory (default: run.out_dir/run.name)"
+    )
+    tr.add_argument("--overwrite", action="store_true", help="replace an existing run in the run directory")
+    tr.add_argument(
+        "--debug-nans", action="store_true", help="turn on JAX NaN checking (slow; finds the first NaN)"
+    )
+    tr.set_defaults(func=_cmd_train)
+
+    data = sub.add_parser("data", help="prepare data")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    by = data_sub.add_parser("bytes", help="write the stdlib corpus as byte-level tokens (.npy)")
+    by.add_argument("--out", type=Path, required=True, help="output .npy path")
+    by.add_argument("--split", choices=("train", "validation"), default="train")
+    by.add_argument("--max-bytes", type=int, default=None, help="stop after this many bytes")
+    by.set_defaults(func=_cmd_data_bytes)
+
+    rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
+    rep.add_argument("run_dir", type=Path)
+    rep.set_defaults(func=_cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except ShipyardError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _entry() -> None:
+    from shipyard import cpu_tuning
+
+    cpu_tuning.reexec_with_hugepages()
+    # XLA reads its flags once, when the backend starts: set them before that.
+    cpu_tuning.apply_xla_flags()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()

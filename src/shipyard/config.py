@@ -1,0 +1,417 @@
+"""Typed, frozen run configuration: schemas, YAML loading, presets, overrides.
+
+A config is built from a preset name (`tiny`, `small`, `llama3-8b`, ...) or a
+YAML file, which may name a `base:` preset/file to start from, followed by
+dotted command-line overrides (`train.optimizer.lr=3e-4`). Every field carries
+a docstring (pydantic turns it into the field description) so `config show`
+output and the docs are self-explaining. Nothing here is global: callers pass
+the resulting `Config` object down explicitly.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shipyard.errors import ConfigError
+
+
+class _Schema(BaseModel):
+    # extra="forbid" turns a typo in a YAML key into an error instead of a
+    # silently ignored setting; frozen=True keeps configs as values.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RopeScaling(_Schema):
+    """Llama-3 style RoPE frequency scaling (introduced with Llama 3.1)."""
+
+    factor: float = Field(8.0, gt=0)
+    """Divide the low frequencies by this factor."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths longer than original_max_position / low_freq_factor are fully scaled."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths shorter than original_max_position / high_freq_factor are left alone."""
+    original_max_position: int = Field(8192, gt=0)
+    """Context length the frequencies were originally trained for."""
+
+    @model_validator(mode="after")
+    def _check_order(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("high_freq_factor: must be greater than low_freq_factor")
+        return self
+
+
+class ModelConfig(_Schema):
+    """A dense decoder-only transformer of the Llama-3 family."""
+
+    vocab_size: int = Field(gt=0)
+    """Number of token ids (rows of the embedding table)."""
+    hidden_size: int = Field(gt=0)
+    """Width of the residual stream (the `embed` logical axis)."""
+    intermediate_size: int = Field(gt=0)
+    """Width of the SwiGLU MLP hidden layer (the `mlp` logical axis)."""
+    num_layers: int = Field(gt=0)
+    """Number of transformer blocks, stacked on the leading `layers` axis."""
+    num_heads: int = Field(gt=0)
+    """Number of query heads."""
+    num_kv_heads: int = Field(gt=0)
+    """Number of key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int | None = Field(None, gt=0)
+    """Width of one attention head; filled in as hidden_size / num_heads when omitted."""
+    max_seq_len: int = Field(2048, gt=0)
+    """Longest sequence the model is configured for (RoPE tables are built to this length)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency (Llama 3 uses 500000)."""
+    rope_scaling: RopeScaling | None = None
+    """Optional Llama-3 frequency scaling; null means plain RoPE."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon inside RMSNorm's square root."""
+    qk_norm: bool = False
+    """Apply RMSNorm to queries and keys per head before RoPE (OLMo-2 / Qwen-3 style)."""
+    tie_embeddings: bool = False
+    """Use the embedding table (transposed) as the output head instead of a separate matrix."""
+    init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal initialiser for embeddings and input projections."""
+    remat: Literal["none", "full", "save_dots"] = "full"
+    """Activation rematerialisation per block: none (keep all), full (recompute all), save_dots (keep matmul outputs)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_head_dim(cls, data: Any) -> Any:
+        # head_dim is optional in YAML but always explicit in the resolved
+        # config, so `config show` tells the whole truth.
+        if isinstance(data, dict) and data.get("head_dim") is None:
+            hidden, heads = data.get("hidden_size"), data.get("num_heads")
+            if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+                if hidden % heads:
+                    raise ValueError(
+                        f"num_heads: {heads} does not divide hidden_size={hidden}; "
+                        "choose divisible sizes or set head_dim explicitly"
+                    )
+                data = {**data, "head_dim": hidden // heads}
+        return data
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}; "
+                "expected a divisor of num_heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: {self.head_dim} must be even for RoPE")
+        return self
+
+
+class DataConfig(_Schema):
+    """Where training tokens come from and how sequences are cut."""
+
+    train_tokens: str | None = None
+    """Path to a 1-D .npy array of token ids to train on (e.g. from `shipyard data bytes`)."""
+    seq_len: int = Field(gt=0)
+    """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
+
+
+class OptimizerConfig(_Schema):
+    """Gradient clipping, then AdamW (or Muon for matrices), scaled by the schedule."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw for every parameter, or muon for hidden matrices with AdamW for the rest."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (for muon: the learning rate of the matrix parameters)."""
+    b1: float = Field(0.9, ge=0, lt=1)
+    """AdamW first-moment decay."""
+    b2: float = Field(0.95, ge=0, lt=1)
+    """AdamW second-moment decay."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW denominator epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay (multiplied by the scheduled learning rate)."""
+    decay_embeddings: bool = False
+    """Also decay the embedding table (off by default, as in Llama and Marin recipes)."""
+    decay_norms: bool = False
+    """Also decay RMSNorm scales (off by default)."""
+    clip_norm: float | None = Field(1.0, gt=0)
+    """Clip gradients to this global L2 norm; null disables clipping."""
+    muon_adam_lr: float | None = Field(None, gt=0)
+    """With muon: peak learning rate of the AdamW part (embeddings, head, norms); null means lr."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """With muon: momentum of the orthogonalised update."""
+    muon_ns_steps: int = Field(5, gt=0)
+    """With muon: Newton-Schulz iterations per update."""
+
+
+class ScheduleConfig(_Schema):
+    """Learning-rate schedule as a function of the training step."""
+
+    kind: Literal["constant", "cosine", "wsd"] = "cosine"
+    """constant; cosine (warmup then cosine decay to the floor); wsd (warmup, stable, decay)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 to the peak rate; the main schedule starts at the peak, so there is no jump."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Floor of the decay as a fraction of the peak rate."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """wsd only: fraction of all steps spent in the final linear decay."""
+
+
+class PrecisionConfig(_Schema):
+    """Mixed precision: params stay fp32; matmuls run in compute_dtype."""
+
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of activations and matmuls; the loss is always computed in fp32."""
+    loss_scale_init: float = Field(2.0**15, gt=0)
+    """float16 only: initial dynamic loss scale."""
+    loss_scale_growth_interval: int = Field(1000, gt=0)
+    """float16 only: double the loss scale after this many consecutive finite steps."""
+
+
+class LoggingConfig(_Schema):
+    """What is recorded and shown while training."""
+
+    log_every: int = Field(10, gt=0)
+    """Write a metrics.jsonl line every this many steps (and at the last step)."""
+    progress: bool = True
+    """Show a live progress bar with loss, tokens/s and ETA."""
+    peak_flops_per_device: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one device for MFU; null measures a matmul peak on CPU."""
+
+
+class TrainConfig(_Schema):
+    """The optimisation loop."""
+
+    steps: int = Field(gt=0)
+    """Number of optimizer steps to run."""
+    global_batch_size: int = Field(gt=0)
+    """Sequences per step across all devices."""
+    microbatches: int = Field(1, gt=0)
+    """Split each step's batch into this many sequential microbatches (gradient accumulation)."""
+    seed: int = 0
+    """Seed for parameter initialisation and batch sampling."""
+    z_loss: float = Field(0.0, ge=0)
+    """Coefficient of the z-loss (logsumexp squared) that keeps output logits small; 0 disables it."""
+    max_consecutive_nonfinite: int = Field(5, gt=0)
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Optimizer settings."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Learning-rate schedule."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """Precision policy."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics and progress display."""
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainConfig:
+        if self.global_batch_size % self.microbatches:
+            raise ValueError(
+                f"microbatches: {self.microbatches} does not divide global_batch_size={self.global_batch_size}"
+            )
+        return self
+
+
+class MeshConfig(_Schema):
+    """Device mesh axis sizes; -1 means "all remaining devices" (at most one axis)."""
+
+    data: int = -1
+    """Pure data parallelism (params replicated)."""
+    fsdp: int = 1
+    """Fully sharded data parallelism (params sharded on `embed`, batch split too)."""
+    tensor: int = 1
+    """Tensor parallelism over heads, MLP width and vocabulary."""
+    expert: int = 1
+    """Expert parallelism (mixture-of-experts models)."""
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> MeshConfig:
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(
+                f"axis sizes must be positive or -1 (got {sizes} for data, fsdp, tensor, expert)"
+            )
+        if sizes.count(-1) > 1:
+            raise ValueError("at most one mesh axis may be -1")
+        return self
+
+
+class RunConfig(_Schema):
+    """Where the run directory goes."""
+
+    name: str = "run"
+    """Run name; the run directory is out_dir/name."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+
+
+class Config(_Schema):
+    """Everything needed to reproduce a training run."""
+
+    run: RunConfig = RunConfig()
+    """Run naming and location."""
+    model: ModelConfig
+    """Model architecture."""
+    data: DataConfig
+    """Training data."""
+    train: TrainConfig
+    """Optimisation loop."""
+    mesh: MeshConfig = MeshConfig()
+    """Device mesh."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> Config:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+
+PRESET_DIR = "presets"
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped inside the package."""
+    files = resources.files("shipyard").joinpath(PRESET_DIR).iterdir()
+    return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, where: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        pos = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{where}: not valid YAML{pos}: {getattr(e, 'problem', e)}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a YAML mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def _load_source(source: str, seen: tuple[str, ...] = ()) -> dict:
+    """Raw dict for a preset name or YAML path, with its `base:` chain merged in."""
+    if source in seen:
+        raise ConfigError(f"config {source!r}: `base:` chain loops ({' -> '.join(seen + (source,))})")
+    path = Path(source)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {source}: cannot read: {e.strerror}") from e
+        data = _read_yaml(text, f"config file {source}")
+    elif source in preset_names():
+        text = resources.files("shipyard").joinpath(PRESET_DIR, f"{source}.yaml").read_text()
+        data = _read_yaml(text, f"preset {source}")
+    else:
+        raise ConfigError(
+            f"config {source!r}: no such file and no preset of that name "
+            f"(presets: {', '.join(preset_names())})"
+        )
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config {source!r}: `base` must be a preset name or file path")
+    if not Path(base).is_absolute() and path.is_file() and (path.parent / base).is_file():
+        base = str(path.parent / base)
+    return _deep_merge(_load_source(base, seen + (source,)), data)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings; values are parsed as YAML scalars/lists."""
+    data = _deep_merge({}, data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.optimizer.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML") from e
+        node = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            else:
+                child = node[part] = dict(child)
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _schema_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema class that owns location `loc` (for listing valid keys)."""
+    schema: Any = Config
+    for part in loc:
+        field = schema.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        schema = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)),
+            None,
+        )
+        if schema is None:
+            return None
+    return schema
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line naming each bad field, what was given and what is expected."""
+    parts = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        name = ".".join(str(p) for p in loc) or "config"
+        if e["type"] == "extra_forbidden":
+            owner = _schema_at(loc[:-1])
+            valid = f" (valid keys: {', '.join(owner.model_fields)})" if owner else ""
+            parts.append(f"{name}: unknown key{valid}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        # Cross-field validators start their message with the offending field.
+        field = re.match(r"^([\w.]+): ", msg)
+        if e["type"] == "value_error" and field:
+            name = ".".join([*(str(p) for p in loc), field.group(1)])
+            msg = msg[field.end() :]
+        given = "" if e["type"] in ("missing", "value_error") else f" (got {e['input']!r})"
+        parts.append(f"{name}: {msg}{given}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def build_config(data: dict) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from e
+
+
+def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a preset name or YAML path plus dotted overrides into a `Config`."""
+    return build_config(apply_overrides(_load_source(source), list(overrides)))
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

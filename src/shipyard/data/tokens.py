@@ -1,0 +1,64 @@
+"""A 1-D token array on disk and the deterministic batch for each step.
+
+The batch for step `s` depends only on (tokens, seed, s, batch size, seq len):
+sequence starts come from a PCG64 generator seeded with (seed, s), so a run
+can be repeated, or continued at any step, without replaying earlier steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from shipyard.errors import DataError
+
+
+def load_tokens(path: str | Path, vocab_size: int, seq_len: int) -> np.ndarray:
+    """Memory-map a 1-D integer .npy of token ids and check it against the model."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.train_tokens: {path} does not exist (expected a 1-D .npy of token ids)")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"data.train_tokens: {path} is not a readable .npy array ({e})") from e
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(
+            f"data.train_tokens: {path} holds a {tokens.dtype} array of shape {tokens.shape}; "
+            "expected a 1-D integer array of token ids"
+        )
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"data.train_tokens: {path} has {len(tokens)} tokens, fewer than one sequence "
+            f"(data.seq_len + 1 = {seq_len + 1})"
+        )
+    # One streaming pass so an out-of-range id fails here, with its position,
+    # rather than as a silent clamp inside the embedding gather.
+    chunk = 1 << 24
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        bad = np.flatnonzero((part < 0) | (part >= vocab_size))
+        if bad.size:
+            i = start + int(bad[0])
+            raise DataError(
+                f"data.train_tokens: {path} has token id {int(tokens[i])} at position {i}, "
+                f"outside model.vocab_size={vocab_size}"
+            )
+    return tokens
+
+
+def batch_at(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """[batch_size, seq_len + 1] int32 windows for `step` (inputs and shifted targets)."""
+    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+    return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts])
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

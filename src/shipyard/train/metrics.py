@@ -1,0 +1,78 @@
+"""Throughput accounting (FLOPs, MFU) and the metrics.jsonl writer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from shipyard.config import ModelConfig
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + attention scores and values.
+
+    Matmul parameters exclude the embedding gather and norms (no matmul) but
+    include the output head (the embedding again when tied). Attention counts
+    QK^T and PV over the full seq x seq matrix (what XLA computes) in forward
+    (4 x seq x heads x head_dim per layer) and backward (twice that).
+    """
+    E, H, K, D, M, V, L = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
+    matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * M) + E * V
+    attention = 12 * L * seq_len * H * D
+    return 6.0 * matmul_params + attention
+
+
+def measure_matmul_peak(device: jax.Device | None = None, n: int = 1024, dtype=jnp.float32) -> float:
+    """Best FLOP/s of an n x n matmul on `device`: the achievable peak MFU is measured against on CPU."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(4):
+            out = f(a)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / 4)
+    return 2 * n**3 / best
+
+
+def peak_flops(configured_per_device: float | None, devices: list[jax.Device]) -> float:
+    """Peak FLOP/s of all `devices` together.
+
+    On CPU the forced host "devices" share the same cores, so the peak is one
+    matmul measurement of the whole host, not per device.
+    """
+    if configured_per_device is not None:
+        return configured_per_device * len(devices)
+    if devices[0].platform == "cpu":
+        return measure_matmul_peak(devices[0])
+    return measure_matmul_peak(devices[0]) * len(devices)
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl, flushed each line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run; closed by close())
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, sort_keys=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,101 @@
+"""The run directory: resolved config, provenance, metrics, all written safely."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+
+import shipyard
+from shipyard.config import Config, to_yaml
+from shipyard.errors import RunDirError
+
+RUN_FILES = ("config.yaml", "provenance.json", "metrics.jsonl")
+_PACKAGES = ("jax", "jaxlib", "optax", "numpy", "pydantic", "pyyaml")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create the run directory; refuse to clobber an earlier run unless asked."""
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not overwrite:
+        raise RunDirError(
+            f"run directory {run_dir} already holds a run ({', '.join(existing)}); "
+            "choose another run.name / --run-dir, or pass --overwrite to replace it"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in existing:
+            (run_dir / name).unlink()
+        for sub in ("plots",):
+            if overwrite and (run_dir / sub).is_dir():
+                shutil.rmtree(run_dir / sub)
+    except OSError as e:
+        raise RunDirError(f"run directory {run_dir}: cannot prepare it ({e.strerror})") from e
+
+
+def _git_commit() -> str | None:
+    src = Path(shipyard.__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(inputs: dict[str, dict]) -> dict:
+    versions = {"shipyard": shipyard.__version__, "python": platform.python_version()}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    devices = jax.devices()
+    return {
+        "versions": versions,
+        "git_commit": _git_commit(),
+        "argv": sys.argv,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "devices": {"count": len(devices), "kind": devices[0].device_kind, "platform": devices[0].platform},
+        "process_count": jax.process_count(),
+        "inputs": inputs,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_run_header(run_dir: Path, cfg: Config, inputs: dict[str, dict]) -> None:
+    write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    write_atomic(run_dir / "provenance.json", json.dumps(provenance(inputs), indent=2) + "\n")

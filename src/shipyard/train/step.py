@@ -1,0 +1,159 @@
+"""The pure training step: `train_step(state, batch) -> (state, metrics)`.
+
+Everything the step needs is in `state` (params, optimizer state, counters,
+loss scale) or `batch`; configuration is closed over when the step is built.
+It is jitted once by the trainer with explicit shardings and donated state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shipyard.config import Config
+from shipyard.model.transformer import TransformerParams, logits
+from shipyard.train.loss import LossSums, loss_sums
+from shipyard.train.optim import lr_schedule
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TrainState:
+    step: jax.Array
+    """int32 data step; advances on skipped steps too, so batch and schedule stay aligned."""
+    params: TransformerParams
+    """fp32 master parameters."""
+    opt_state: Any
+    """optax state; left untouched by a skipped step."""
+    loss_scale: jax.Array
+    """float32 dynamic loss scale (fp16 only; 1.0 otherwise)."""
+    good_steps: jax.Array
+    """int32 finite steps since the loss scale last changed."""
+    nonfinite: jax.Array
+    """int32 total steps skipped for a non-finite loss or gradient."""
+    nonfinite_run: jax.Array
+    """int32 current run of consecutive skipped steps."""
+
+
+def init_state(cfg: Config, params: TransformerParams, optimizer: optax.GradientTransformation) -> TrainState:
+    """Fresh state around `params`, built in one jit so every leaf lands on the params' devices.
+
+    XLA propagates each parameter's sharding to its optimizer moments; the
+    scalar counters are replicated.
+    """
+    fp16 = cfg.train.precision.compute_dtype == "float16"
+    scale = cfg.train.precision.loss_scale_init if fp16 else 1.0
+
+    def build(params):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=jnp.full((), scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            nonfinite=jnp.zeros((), jnp.int32),
+            nonfinite_run=jnp.zeros((), jnp.int32),
+        )
+
+    return jax.jit(build)(params)
+
+
+def _split_microbatches(x: jax.Array, n: int) -> jax.Array:
+    # Strided split (row i goes to microbatch i % n): with the batch sharded in
+    # contiguous blocks over devices, every device then contributes equally to
+    # every microbatch and no rows move between devices.
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
+    """Build the (unjitted) step function for this config."""
+    model, train = cfg.model, cfg.train
+    compute = jnp.dtype(train.precision.compute_dtype)
+    fp16 = compute == jnp.float16
+    schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
+    n_micro = train.microbatches
+
+    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        tokens, mask = batch["tokens"], batch["loss_mask"]
+        total_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+
+        def objective(params, tok, msk):
+            p = jax.tree.map(lambda x: x.astype(compute), params)
+            sums = loss_sums(logits(p, tok[:, :-1], model), tok[:, 1:], msk)
+            # Normalise by the whole batch's token count so microbatch
+            # gradients add up to exactly the full-batch gradient.
+            loss = (sums.ce + train.z_loss * sums.z) / total_tokens
+            return loss * state.loss_scale if fp16 else loss, sums
+
+        grad_fn = jax.grad(objective, has_aux=True)
+        if n_micro == 1:
+            grads, sums = grad_fn(state.params, tokens, mask)
+        else:
+
+            def accumulate(carry, mb):
+                g, s = grad_fn(state.params, *mb)
+                return jax.tree.map(jnp.add, carry, (g, s)), None
+
+            zeros = (
+                jax.tree.map(jnp.zeros_like, state.params),
+                LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
+            )
+            mbs = (_split_microbatches(tokens, n_micro), _split_microbatches(mask, n_micro))
+            (grads, sums), _ = jax.lax.scan(accumulate, zeros, mbs)
+        if fp16:
+            grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums.ce) & jnp.isfinite(sums.z)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+        lr = schedule(state.step)
+        updates = jax.tree.map(lambda u: lr * u, updates)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def keep_if_finite(new, old):
+            return jnp.where(finite, new, old)
+
+        params = jax.tree.map(keep_if_finite, new_params, state.params)
+        opt_state = jax.tree.map(keep_if_finite, new_opt_state, state.opt_state)
+
+        if fp16:
+            grown = state.good_steps + 1 >= train.precision.loss_scale_growth_interval
+            loss_scale = jnp.where(
+                finite,
+                jnp.where(grown, state.loss_scale * 2, state.loss_scale),
+                jnp.maximum(state.loss_scale / 2, 1.0),
+            )
+            good_steps = jnp.where(finite & ~grown, state.good_steps + 1, 0)
+        else:
+            loss_scale, good_steps = state.loss_scale, state.good_steps
+
+        skipped = (~finite).astype(jnp.int32)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            good_steps=good_steps,
+            nonfinite=state.nonfinite + skipped,
+            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+        )
+        metrics = {
+            "loss": sums.ce / total_tokens,
+            "z_loss": sums.z / total_tokens,
+            "entropy": sums.entropy / total_tokens,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "param_norm": optax.tree.norm(params),
+            "update_norm": optax.tree.norm(updates) * finite,
+            "loss_scale": state.loss_scale,
+            "skipped": skipped,
+            "nonfinite_total": new_state.nonfinite,
+            "nonfinite_run": new_state.nonfinite_run,
+        }
+        return new_state, metrics
+
+    return step

@@ -1,0 +1,35 @@
+"""Test setup: 8 host CPU devices for sharding tests, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    + " --xla_force_host_platform_device_count=8"
+).strip()
+
+from shipyard import cpu_tuning  # noqa: E402
+
+cpu_tuning.apply_xla_flags()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def byte_tokens(tmp_path_factory):
+    """~400 KB of real text (stdlib source) as byte tokens, written once per session."""
+    from shipyard.data.bytecorpus import write_byte_tokens
+
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    write_byte_tokens(path, split="train", max_bytes=400_000)
+    return path
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"

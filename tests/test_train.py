@@ -1,0 +1,98 @@
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from shipyard.cli import main
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(tmp_path, tokens, name, *extra):
+    argv = ["train", "tiny", f"data.train_tokens={tokens}", f"run.out_dir={tmp_path}", f"run.name={name}"]
+    return main([*argv, "train.logging.progress=false", *extra])
+
+
+def test_short_run_writes_complete_run_dir(tmp_path, byte_tokens, capsys):
+    assert _train(tmp_path, byte_tokens, "short", "train.steps=12", "train.logging.log_every=5") == 0
+    run = tmp_path / "short"
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["train"]["steps"] == 12 and cfg["model"]["head_dim"] == 16
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["versions"]["jax"] and prov["devices"]["count"] >= 1
+    assert len(prov["inputs"]["train_tokens"]["sha256"]) == 64
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 5, 10, 11]
+    for key in ("loss", "lr", "grad_norm", "param_norm", "update_norm", "entropy", "tokens_per_s", "mfu"):
+        assert all(key in r for r in rows), key
+    assert rows[0]["tokens_per_s"] is None  # first step is compile time, not throughput
+    assert rows[-1]["tokens_per_s"] > 0 and 0 < rows[-1]["mfu"] < 1
+    assert rows[-1]["nonfinite_total"] == 0
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, byte_tokens, capsys):
+    assert _train(tmp_path, byte_tokens, "r", "train.steps=2", "train.schedule.warmup_steps=0") == 0
+    before = (tmp_path / "r" / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert _train(tmp_path, byte_tokens, "r", "train.steps=2", "train.schedule.warmup_steps=0") == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0]
+    assert (tmp_path / "r" / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: np.save(p, np.zeros((4, 4), np.int32)), "expected a 1-D integer array"),
+        (lambda p: np.save(p, np.full(1000, 9999, np.int32)), "outside model.vocab_size=512"),
+        (lambda p: np.save(p, np.zeros(10, np.int32)), "fewer than one sequence"),
+        (lambda p: p.write_bytes(b"not an npy file"), "not a readable .npy"),
+    ],
+)
+def test_bad_token_file(tmp_path, capsys, make, needle):
+    path = tmp_path / "tokens.npy"
+    make(path)
+    assert _train(tmp_path, path, "bad", "train.steps=2", "train.schedule.warmup_steps=0") == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+    assert not (tmp_path / "bad").exists()  # nothing half-written
+
+
+def test_missing_train_tokens_is_a_config_error(tmp_path, capsys):
+    assert main(["train", "tiny", f"run.out_dir={tmp_path}"]) == 2
+    assert "data.train_tokens is not set" in capsys.readouterr().err
+
+
+def test_divergence_stops_with_advice(tmp_path, byte_tokens, capsys):
+    code = _train(
+        tmp_path,
+        byte_tokens,
+        "nan",
+        "train.steps=40",
+        "train.optimizer.lr=1e30",
+        "train.schedule.kind=constant",
+        "train.schedule.warmup_steps=0",
+        "train.max_consecutive_nonfinite=3",
+        "train.optimizer.clip_norm=null",
+    )
+    err = capsys.readouterr().err
+    assert code == 5
+    assert "consecutive steps had a non-finite loss" in err and "--debug-nans" in err
+    rows = _metrics(tmp_path / "nan")
+    assert rows[-1]["nonfinite_run"] == 3 and rows[-1]["step"] < 39
+
+
+@pytest.mark.slow
+def test_200_step_run_is_bitwise_reproducible_and_learns(tmp_path, byte_tokens):
+    for name in ("a", "b"):
+        assert _train(tmp_path, byte_tokens, name) == 0
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [r["step"] for r in a][-1] == 199
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    first, last = a[0]["loss"], np.mean([r["loss"] for r in a[-3:]])
+    assert first > 5.5 and last < 3.2, (first, last)
