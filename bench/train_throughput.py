@@ -107,6 +107,12 @@ def torch_trainer(tokens: np.ndarray):
 
 
 def main() -> None:
+    from shipyard import cpu_tuning
+
+    # The same process settings `shipyard train` uses; torch runs in this
+    # process too, so it gets the same malloc behaviour.
+    cpu_tuning.reexec_with_fast_allocator()
+    cpu_tuning.apply_xla_flags()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per round per trainer")
     ap.add_argument("--rounds", type=int, default=3)
@@ -148,6 +154,7 @@ def main() -> None:
         "torch_threads": threads,
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "allocator": cpu_tuning.allocator_name(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
     }

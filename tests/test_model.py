@@ -129,3 +129,17 @@ def test_init_is_deterministic_and_sharded_per_rules():
     assert a.blocks.wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     # each device holds 1/8 of the embedding
     assert a.embed.addressable_shards[0].data.size == a.embed.size // 8
+
+
+def test_dense_gradients_match_plain_matmul(rng):
+    x = jnp.asarray(rng.standard_normal((2, 5, 6)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
+
+    def ours(x, w):
+        return jnp.sum(jnp.sin(layers.dense(x, w)))
+
+    def plain(x, w):
+        return jnp.sum(jnp.sin(x @ w))
+
+    for a, b in zip(jax.grad(ours, argnums=(0, 1))(x, w), jax.grad(plain, argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

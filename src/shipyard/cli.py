@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 def _entry() -> None:
     from shipyard import cpu_tuning
 
-    cpu_tuning.reexec_with_hugepages()
+    cpu_tuning.reexec_with_fast_allocator()
     # XLA reads its flags once, when the backend starts: set them before that.
     cpu_tuning.apply_xla_flags()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

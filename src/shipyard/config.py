@@ -79,6 +79,8 @@ class ModelConfig(_Schema):
     """Standard deviation of the normal initialiser for embeddings and input projections."""
     remat: Literal["none", "full", "save_dots"] = "full"
     """Activation rematerialisation per block: none (keep all), full (recompute all), save_dots (keep matmul outputs)."""
+    scan_unroll: int = Field(1, gt=0)
+    """Layers per lax.scan iteration; >= num_layers unrolls fully (faster on CPU for shallow models, slower to compile deep ones)."""
 
     @model_validator(mode="before")
     @classmethod

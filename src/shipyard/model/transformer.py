@@ -98,17 +98,24 @@ _REMAT_POLICIES = {
 
 
 def _block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids) -> jax.Array:
+    K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("bse,ehd->bshd", h, p.wq)
-    k = jnp.einsum("bse,ehd->bshd", h, p.wk)
-    v = jnp.einsum("bse,ehd->bshd", h, p.wv)
+    # One matmul for Q, K and V (and one for gate and up below) instead of
+    # three (two): wider matmuls run far closer to peak on CPU, and the
+    # weight copy this costs is tiny next to the activations. The fused
+    # layout [embed, kv_heads, group + 2, head_dim] keeps kv_heads outermost,
+    # so a kv_heads / heads sharding is preserved through the concatenation.
+    wq = p.wq.reshape(p.wq.shape[0], K, G, p.wq.shape[-1])
+    w_qkv = jnp.concatenate([wq, p.wk[:, :, None], p.wv[:, :, None]], axis=2)
+    qkv = layers.dense(h, w_qkv.reshape(w_qkv.shape[0], -1)).reshape(*h.shape[:2], *w_qkv.shape[1:])
+    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if p.q_norm is not None:
         q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
         k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
-    attn = layers.attention(q, k, v, segment_ids)
-    x = x + jnp.einsum("bshd,hde->bse", attn, p.wo)
+    attn = layers.grouped_attention(q, k, v, segment_ids)
+    x = x + layers.dense(attn.reshape(*attn.shape[:2], -1), p.wo.reshape(-1, p.wo.shape[-1]))
     h = layers.rms_norm(x, p.mlp_norm, cfg.norm_eps)
     return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down)
 
@@ -136,7 +143,7 @@ def hidden_states(
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params.blocks)
+    x, _ = jax.lax.scan(body, x, params.blocks, unroll=min(cfg.scan_unroll, cfg.num_layers))
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps)
 
 
@@ -148,4 +155,4 @@ def output_weights(params: TransformerParams) -> jax.Array:
 def logits(params: TransformerParams, tokens: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
     """Next-token logits [batch, seq, vocab] in fp32."""
     h = hidden_states(params, tokens, cfg, **kw)
-    return jnp.einsum("bse,ev->bsv", h, output_weights(params), preferred_element_type=jnp.float32)
+    return layers.dense(h, output_weights(params)).astype(jnp.float32)

@@ -23,19 +23,47 @@ class LossSums:
     tokens: jax.Array
 
 
+@jax.custom_vjp
+def token_stats(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-token (logsumexp, target logit, entropy) of fp32 logits [..., vocab].
+
+    One pass over the vocabulary computes the softmax once; the backward pass
+    reuses it (dlogits = g_lse * p + g_target * onehot) instead of
+    recomputing exp over the [tokens, vocab] array, which is the largest
+    elementwise work in a small model's step. The entropy (-sum p log p =
+    lse - sum p * logit) is a diagnostic and carries no gradient.
+    """
+    return _token_stats_fwd(logits, targets)[0]
+
+
+def _token_stats_fwd(logits, targets):
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.exp(logits - m)
+    z = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / z
+    lse = (m + jnp.log(z))[..., 0]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    entropy = lse - jnp.sum(p * logits, axis=-1)
+    return (lse, target_logit, entropy), (p, targets)
+
+
+def _token_stats_bwd(res, g):
+    p, targets = res
+    g_lse, g_target, _ = g
+    onehot = jax.nn.one_hot(targets, p.shape[-1], dtype=p.dtype)
+    return g_lse[..., None] * p + g_target[..., None] * onehot, None
+
+
+token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
+
+
 def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> LossSums:
     """logits [..., vocab] (any dtype; upcast here), integer targets and 0/1 mask [...]."""
-    logits = logits.astype(jnp.float32)
     mask = mask.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    # Entropy of softmax(logits) = lse - sum_i p_i * logit_i; it is a diagnostic
-    # (collapse / over-confidence), so no gradient flows through it.
-    probs = jnp.exp(logits - lse[..., None])
-    entropy = jax.lax.stop_gradient(lse - jnp.sum(probs * logits, axis=-1))
+    lse, target_logit, entropy = token_stats(logits.astype(jnp.float32), targets)
     return LossSums(
         ce=jnp.sum((lse - target_logit) * mask),
         z=jnp.sum(jnp.square(lse) * mask),
-        entropy=jnp.sum(entropy * mask),
+        entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask),
         tokens=jnp.sum(mask),
     )

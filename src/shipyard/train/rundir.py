@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 import shipyard
+from shipyard import cpu_tuning
 from shipyard.config import Config, to_yaml
 from shipyard.errors import RunDirError
 
@@ -92,6 +93,7 @@ def provenance(inputs: dict[str, dict]) -> dict:
         "process_count": jax.process_count(),
         "inputs": inputs,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "allocator": cpu_tuning.allocator_name(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -69,15 +69,19 @@ def _split_microbatches(x: jax.Array, n: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
-def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
-    """Build the (unjitted) step function for this config."""
+def make_gradient_fn(cfg: Config):
+    """`gradients(params, batch, loss_scale) -> (grads, LossSums)`: full-batch gradient of the mean loss.
+
+    With `train.microbatches > 1` the batch is processed in sequential slices
+    whose gradients add up to the same full-batch gradient. For fp16 the
+    returned gradients are still multiplied by `loss_scale`.
+    """
     model, train = cfg.model, cfg.train
     compute = jnp.dtype(train.precision.compute_dtype)
     fp16 = compute == jnp.float16
-    schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
     n_micro = train.microbatches
 
-    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def gradients(params, batch, loss_scale):
         tokens, mask = batch["tokens"], batch["loss_mask"]
         total_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
@@ -87,23 +91,36 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
             # Normalise by the whole batch's token count so microbatch
             # gradients add up to exactly the full-batch gradient.
             loss = (sums.ce + train.z_loss * sums.z) / total_tokens
-            return loss * state.loss_scale if fp16 else loss, sums
+            return loss * loss_scale if fp16 else loss, sums
 
         grad_fn = jax.grad(objective, has_aux=True)
         if n_micro == 1:
-            grads, sums = grad_fn(state.params, tokens, mask)
-        else:
+            return grad_fn(params, tokens, mask)
 
-            def accumulate(carry, mb):
-                g, s = grad_fn(state.params, *mb)
-                return jax.tree.map(jnp.add, carry, (g, s)), None
+        def accumulate(carry, mb):
+            g, s = grad_fn(params, *mb)
+            return jax.tree.map(jnp.add, carry, (g, s)), None
 
-            zeros = (
-                jax.tree.map(jnp.zeros_like, state.params),
-                LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
-            )
-            mbs = (_split_microbatches(tokens, n_micro), _split_microbatches(mask, n_micro))
-            (grads, sums), _ = jax.lax.scan(accumulate, zeros, mbs)
+        zeros = (
+            jax.tree.map(jnp.zeros_like, params),
+            LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
+        )
+        mbs = (_split_microbatches(tokens, n_micro), _split_microbatches(mask, n_micro))
+        return jax.lax.scan(accumulate, zeros, mbs)[0]
+
+    return gradients
+
+
+def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
+    """Build the (unjitted) step function for this config."""
+    train = cfg.train
+    fp16 = train.precision.compute_dtype == "float16"
+    schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
+    gradients = make_gradient_fn(cfg)
+
+    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, sums = gradients(state.params, batch, state.loss_scale)
+        total_tokens = jnp.maximum(sums.tokens, 1.0)
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
 
