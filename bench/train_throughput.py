@@ -2,8 +2,10 @@
 
 Same model (hidden 384, 6 layers, 6 heads, 2 KV heads, intermediate 1024,
 vocab 8192, untied), same batch (8 x 256 tokens, fp32), same optimizer
-(AdamW, clip 1.0), same process. The two trainers run in alternating rounds
-so background noise hits both alike; the median round is reported.
+(AdamW, clip 1.0), same run. Each trainer runs in its own child process (so
+torch's OpenMP threads, which spin after every op, never steal cores from XLA
+or the other way round) with the same environment, allocator included; each
+warms up, then times several rounds, and the median round is reported.
 
     .venv/bin/python bench/train_throughput.py [--steps 8] [--rounds 3] [--out bench/results/train_throughput.json]
 """
@@ -15,6 +17,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,40 +110,60 @@ def torch_trainer(tokens: np.ndarray):
     return torch.get_num_threads(), run
 
 
+def _worker(name: str, steps: int, rounds: int, warmup: int) -> None:
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(BATCH, SEQ + 1)).astype(np.int32)
+    if name == "shipyard":
+        _, run = shipyard_trainer(tokens)
+        extra = {}
+    else:
+        threads, run = torch_trainer(tokens)
+        extra = {"threads": threads}
+    run(warmup)
+    times = [run(steps) / steps for _ in range(rounds)]
+    print(json.dumps({"step_s": times, **extra}))
+
+
+def _spawn(name: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name]
+    cmd += ["--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    print(f"{name}: " + ", ".join(f"{t:.3f}" for t in result["step_s"]) + " s/step", flush=True)
+    return result
+
+
 def main() -> None:
     from shipyard import cpu_tuning
 
-    # The same process settings `shipyard train` uses; torch runs in this
-    # process too, so it gets the same malloc behaviour.
+    # The same process settings `shipyard train` uses; the children inherit
+    # them, so torch gets the same allocator as shipyard.
     cpu_tuning.reexec_with_fast_allocator()
     cpu_tuning.apply_xla_flags()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round per trainer")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile, allocator warm-up)")
+    ap.add_argument("--worker", choices=("shipyard", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"))
     args = ap.parse_args()
+    if args.worker:
+        _worker(args.worker, args.steps, args.rounds, args.warmup)
+        return
 
-    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(BATCH, SEQ + 1)).astype(np.int32)
-    cfg, sy_run = shipyard_trainer(tokens)
-    threads, th_run = torch_trainer(tokens)
-    sy_run(args.warmup)
-    th_run(args.warmup)
-    sy_times, th_times = [], []
-    for r in range(args.rounds):
-        sy_times.append(sy_run(args.steps) / args.steps)
-        th_times.append(th_run(args.steps) / args.steps)
-        print(f"round {r}: shipyard {sy_times[-1]:.3f} s/step, torch {th_times[-1]:.3f} s/step", flush=True)
+    sy = _spawn("shipyard", args)
+    th = _spawn("torch", args)
 
     import jax
 
+    from shipyard.config import load_config
     from shipyard.train.metrics import flops_per_token, measure_matmul_peak
 
     tok = BATCH * SEQ
-    sy_tok_s = tok / statistics.median(sy_times)
-    th_tok_s = tok / statistics.median(th_times)
+    sy_tok_s = tok / statistics.median(sy["step_s"])
+    th_tok_s = tok / statistics.median(th["step_s"])
     peak = measure_matmul_peak()
-    mfu = sy_tok_s * flops_per_token(cfg.model, SEQ) / peak
+    model = load_config("small", [f"model.{k}={v}" for k, v in SHAPE.items()]).model
+    mfu = sy_tok_s * flops_per_token(model, SEQ) / peak
     result = {
         "benchmark": "train_throughput",
         "model": {**SHAPE, "seq_len": SEQ, "batch": BATCH, "dtype": "float32"},
@@ -149,9 +173,9 @@ def main() -> None:
         "target_ratio": 1.3,
         "shipyard_mfu": mfu,
         "measured_matmul_peak_flops": peak,
-        "shipyard_step_s": sy_times,
-        "torch_step_s": th_times,
-        "torch_threads": threads,
+        "shipyard_step_s": sy["step_s"],
+        "torch_step_s": th["step_s"],
+        "torch_threads": th["threads"],
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "allocator": cpu_tuning.allocator_name(),
