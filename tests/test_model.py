@@ -143,3 +143,18 @@ def test_dense_gradients_match_plain_matmul(rng):
 
     for a, b in zip(jax.grad(ours, argnums=(0, 1))(x, w), jax.grad(plain, argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true", "model.qk_norm=true"]])
+def test_flops_per_token_counts_every_matmul_weight(overrides):
+    from shipyard.train.metrics import flops_per_token
+
+    cfg = load_config("tiny", overrides).model
+    specs = param_specs(cfg)
+    # matmul weights: everything but norms and the embedding gather; a tied embedding is the head's matmul
+    norms = sum(
+        s.size for s in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "role")) if s.role == "norm"
+    )
+    matmul = num_params(cfg) - norms - (0 if cfg.tie_embeddings else specs.embed.size)
+    seq = 128
+    assert flops_per_token(cfg, seq) == 6 * matmul + 12 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim

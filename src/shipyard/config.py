@@ -183,6 +183,17 @@ class LoggingConfig(_Schema):
     """Peak FLOP/s of one device for MFU; null measures a matmul peak on CPU."""
 
 
+class CheckpointConfig(_Schema):
+    """Saving the full train state (params, optimizer state, step, loss scale) with Orbax."""
+
+    every: int | None = Field(1000, gt=0)
+    """Save every this many steps into <run>/checkpoints/<step>; null disables periodic saves."""
+    save_final: bool = True
+    """Also save after the last step."""
+    keep: int | None = Field(3, gt=0)
+    """Keep only the newest this many checkpoints; null keeps all."""
+
+
 class TrainConfig(_Schema):
     """The optimisation loop."""
 
@@ -206,6 +217,8 @@ class TrainConfig(_Schema):
     """Precision policy."""
     logging: LoggingConfig = LoggingConfig()
     """Metrics and progress display."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoint saving."""
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:

@@ -49,7 +49,7 @@ def write_report(run_dir: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(str(run_dir))
     fig.tight_layout()
     plot = run_dir / "plots" / "metrics.png"
     fig.savefig(plot, dpi=100)
@@ -58,7 +58,7 @@ def write_report(run_dir: Path) -> Path:
     first, last = rows[0], rows[-1]
     speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
     lines = [
-        f"# Run report: {run_dir.name}",
+        f"# Run report: {run_dir}",
         "",
         f"- steps logged: {len(rows)} (last step {last['step']})",
         f"- loss: {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",

@@ -20,17 +20,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     QK^T and PV over the full seq x seq matrix (what XLA computes) in forward
     (4 x seq x heads x head_dim per layer) and backward (twice that).
     """
-    E, H, K, D, M, V, L = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-        cfg.num_layers,
+    c = cfg
+    per_layer = (
+        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        + 3 * c.hidden_size * c.intermediate_size
     )
-    matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * M) + E * V
-    attention = 12 * L * seq_len * H * D
+    matmul_params = c.num_layers * per_layer + c.hidden_size * c.vocab_size
+    attention = 12 * c.num_layers * seq_len * c.num_heads * c.head_dim
     return 6.0 * matmul_params + attention
 
 

@@ -17,6 +17,7 @@ from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_params, param_specs
 from shipyard.parallel.mesh import DEFAULT_RULES, logical_to_pspec, make_mesh
+from shipyard.train.checkpoint import Checkpointer
 from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from shipyard.train.optim import build_optimizer
 from shipyard.train.rundir import prepare_run_dir, write_run_header
@@ -93,6 +94,7 @@ def train(
 
     log = cfg.train.logging
     writer = MetricsWriter(run_dir / "metrics.jsonl")
+    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     bar = tqdm(
         total=cfg.train.steps, unit="step", disable=not log.progress, mininterval=0.5, dynamic_ncols=True
     )
@@ -128,6 +130,8 @@ def train(
     try:
         for step in range(cfg.train.steps):
             state, metrics = step_fn(state, make_batch(step))
+            if checkpointer.wants(step + 1):
+                checkpointer.save(step + 1, state)
             # Read the previous step's metrics only after queueing this one, so
             # the device never waits for the host.
             if pending is not None:
@@ -137,6 +141,7 @@ def train(
     finally:
         bar.close()
         writer.close()
+        checkpointer.close()
     elapsed = time.perf_counter() - t0
     print(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir
