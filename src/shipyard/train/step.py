@@ -126,16 +126,19 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
 
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums.ce) & jnp.isfinite(sums.z)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         lr = schedule(state.step)
-        updates = jax.tree.map(lambda u: lr * u, updates)
-        new_params = optax.apply_updates(state.params, updates)
 
-        def keep_if_finite(new, old):
-            return jnp.where(finite, new, old)
+        def apply(_):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            updates = jax.tree.map(lambda u: lr * u, updates)
+            return optax.apply_updates(state.params, updates), opt_state, optax.tree.norm(updates)
 
-        params = jax.tree.map(keep_if_finite, new_params, state.params)
-        opt_state = jax.tree.map(keep_if_finite, new_opt_state, state.opt_state)
+        def skip(_):
+            return state.params, state.opt_state, jnp.zeros((), jnp.float32)
+
+        # A cond, not a select: a skipped step costs nothing and a normal step
+        # does not pay for an extra pass over params and optimizer state.
+        params, opt_state, update_norm = jax.lax.cond(finite, apply, skip, None)
 
         if fp16:
             grown = state.good_steps + 1 >= train.precision.loss_scale_growth_interval
@@ -165,7 +168,7 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
             "lr": lr,
             "grad_norm": grad_norm,
             "param_norm": optax.tree.norm(params),
-            "update_norm": optax.tree.norm(updates) * finite,
+            "update_norm": update_norm,
             "loss_scale": state.loss_scale,
             "skipped": skipped,
             "nonfinite_total": new_state.nonfinite,
