@@ -122,3 +122,24 @@ def test_overfit_one_batch():
             break
     assert losses[-1] < 0.1, f"loss after {len(losses)} steps: {losses[-1]:.3f}"
     assert losses[0] > 5.0
+
+
+def test_remat_policies_give_the_same_gradients():
+    grads = {}
+    for remat in ("none", "full", "save_dots"):
+        cfg, state, _, batch = _setup([f"model.remat={remat}", "model.scan_unroll=1"])
+        grads[remat], _ = jax.jit(make_gradient_fn(cfg))(state.params, batch, 1.0)
+    for other in ("full", "save_dots"):
+        for x, y in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[other])):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_muon_trains():
+    cfg, state, step, batch = _setup(
+        ["train.optimizer.name=muon", "train.optimizer.lr=0.02", "train.optimizer.muon_adam_lr=3e-3"]
+    )
+    losses = []
+    for _ in range(30):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0] - 1.0, losses[::5]
