@@ -121,3 +121,11 @@ def test_cli_bad_flag_is_one_line(capsys):
 def test_debug_shows_traceback():
     with pytest.raises(ConfigError):
         main(["--debug", "config", "show", "tiny", "model.num_kv_heads=3"])
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["data", "bytes", "--out", str(blocker / "sub" / "tokens.npy"), "--max-bytes", "1000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker) in err[0]

@@ -106,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        # A file-system problem (permissions, full disk, missing directory) is
+        # the user's to fix, not a bug: one line, like every other input error.
+        if debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
