@@ -1,0 +1,226 @@
+"""Reading raw documents from jsonl (.gz/.zst), parquet, txt and html, streamed.
+
+Every document keeps an id (`<file>:<line>` or `<file>#<row>`) and its
+source file. Nothing is read whole into memory: jsonl is decompressed and
+parsed line by line, parquet in record batches.
+
+Bad records are not fatal one by one: a corrupt JSON line, invalid UTF-8, a
+missing or non-string text field, a binary or empty file, a truncated
+.gz/.zst/parquet file are each counted in `ReadStats` with file and line and
+skipped. `check_bad_fraction` fails the stage with one line when more than a
+configured fraction of records was bad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shipyard.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+FILE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet", ".txt", ".html", ".htm")
+MAX_EXAMPLES = 20  # bad-record examples kept per run for the stats JSON
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    """Stable id: `<file>:<line>` (jsonl), `<file>#<row>` (parquet) or the file path (txt, html)."""
+    text: str
+    """The document's text (raw HTML for .html files; extraction is a later stage)."""
+    source: str
+    """The file it came from."""
+
+
+@dataclass
+class ReadStats:
+    """Counts for one reading pass: kept documents, bad records per reason, examples."""
+
+    documents: int = 0
+    bytes: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def reject(self, where: str, reason: str) -> None:
+        self.bad[reason] = self.bad.get(reason, 0) + 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {reason}")
+
+    @property
+    def bad_total(self) -> int:
+        return sum(self.bad.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "documents": self.documents,
+            "bytes": self.bytes,
+            "bad": dict(self.bad),
+            "examples": self.examples,
+        }
+
+
+def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
+    """Files named directly, plus the readable files under named directories (sorted, so order is stable)."""
+    out: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            out.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FILE_SUFFIXES)))
+        elif path.is_file():
+            if not path.name.endswith(FILE_SUFFIXES):
+                raise DataError(
+                    f"input {path}: unsupported file type (expected one of {', '.join(FILE_SUFFIXES)})"
+                )
+            out.append(path)
+        else:
+            raise DataError(f"input {path}: no such file or directory")
+    return out
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    """Lines of a .zst file; EOFError if the last frame is cut off.
+
+    zstandard's stream reader ends quietly at a truncated frame, so frames
+    are decoded by hand to tell "complete" from "cut short" (and a partial
+    last line is never handed out as a record).
+    """
+    import zstandard
+
+    pending = b""
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            while chunk:
+                if dobj.eof:  # the previous frame is complete: this data starts the next one
+                    dobj = zstandard.ZstdDecompressor().decompressobj()
+                out = dobj.decompress(chunk)
+                chunk = dobj.unused_data if dobj.eof else b""
+                *lines, pending = (pending + out).split(b"\n")
+                for line in lines:
+                    yield line + b"\n"
+    if not dobj.eof:
+        raise EOFError("zstd stream ends inside a frame")
+    if pending:
+        yield pending
+
+
+def _open_lines(path: Path):
+    """Context manager yielding an iterator of raw lines (decoded one by one, so bad UTF-8 stays local)."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        return contextlib.closing(_zstd_lines(path))
+    return open(path, "rb")  # noqa: SIM115
+
+
+def _zstd_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
+
+
+def _read_jsonl(path: Path, text_field: str, stats: ReadStats) -> Iterator[Document]:
+    lineno = 0
+    try:
+        with _open_lines(path) as raw:
+            for lineno, line in enumerate(raw, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    stats.reject(where, "invalid UTF-8")
+                    continue
+                except json.JSONDecodeError:
+                    stats.reject(where, "not valid JSON")
+                    continue
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    stats.reject(where, f"missing or non-string field {text_field!r}")
+                    continue
+                yield Document(id=where, text=text, source=str(path))
+    except (EOFError, OSError, zlib.error, _zstd_error()) as e:  # a cut-off or corrupt compressed stream
+        stats.reject(f"{path}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
+
+
+def _read_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        stats.reject(str(path), f"unreadable parquet ({type(e).__name__})")
+        return
+    if text_field not in pf.schema_arrow.names:
+        stats.reject(str(path), f"missing column {text_field!r}")
+        return
+    row = 0
+    try:
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str):
+                    yield Document(id=f"{path}#{row}", text=text, source=str(path))
+                else:
+                    stats.reject(f"{path}#{row}", f"missing or non-string field {text_field!r}")
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        stats.reject(f"{path}#{row}", f"truncated or corrupt parquet ({type(e).__name__})")
+
+
+def _read_whole(path: Path, stats: ReadStats) -> Iterator[Document]:
+    data = path.read_bytes()
+    if not data.strip():
+        stats.reject(str(path), "empty file")
+        return
+    if b"\x00" in data[:8192]:
+        stats.reject(str(path), "binary file")
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.reject(str(path), "invalid UTF-8")
+        return
+    yield Document(id=str(path), text=text, source=str(path))
+
+
+def read_file(path: Path, stats: ReadStats, text_field: str = "text") -> Iterator[Document]:
+    """Documents of one file, by its suffix; bad records go to `stats`."""
+    name = path.name
+    if name.endswith(JSONL_SUFFIXES):
+        docs = _read_jsonl(path, text_field, stats)
+    elif name.endswith(".parquet"):
+        docs = _read_parquet(path, text_field, stats)
+    else:
+        docs = _read_whole(path, stats)
+    for doc in docs:
+        stats.documents += 1
+        stats.bytes += len(doc.text.encode("utf-8"))
+        yield doc
+
+
+def read_documents(
+    inputs: Iterable[str | Path], stats: ReadStats, text_field: str = "text"
+) -> Iterator[Document]:
+    """Stream every document of every input (files or directories), in a stable order."""
+    for path in expand_inputs(inputs):
+        yield from read_file(path, stats, text_field)
+
+
+def check_bad_fraction(stats: ReadStats, max_bad_fraction: float, stage: str) -> None:
+    """Fail the stage (one line, with the first example) when too many records were bad."""
+    total = stats.documents + stats.bad_total
+    if total and stats.bad_total / total > max_bad_fraction:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.bad.items(), key=lambda kv: -kv[1]))
+        first = stats.examples[0] if stats.examples else ""
+        raise DataError(
+            f"{stage}: {stats.bad_total} of {total} records were bad ({reasons}), more than the allowed "
+            f"{max_bad_fraction:.1%}; first: {first}"
+        )

@@ -1,0 +1,126 @@
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from shipyard.data.documents import ReadStats, check_bad_fraction, read_documents
+from shipyard.errors import DataError
+
+TEXTS = [
+    "The first document.\nIt has two lines.",
+    "Ünïcödé and   runs   of spaces\t\ttabs",
+    "def f(x):\n    return x + 1\n",
+]
+
+
+def _jsonl_bytes(texts, field="text"):
+    return "".join(json.dumps({field: t, "meta": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def _write_all_formats(d):
+    (d / "a.jsonl").write_bytes(_jsonl_bytes(TEXTS))
+    (d / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl_bytes(TEXTS)))
+    (d / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl_bytes(TEXTS)))
+    pq.write_table(pa.table({"text": TEXTS, "n": [1, 2, 3]}), d / "a.parquet", row_group_size=2)
+
+
+def test_every_format_yields_the_same_documents(tmp_path):
+    _write_all_formats(tmp_path)
+    per_file = {}
+    for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet"):
+        stats = ReadStats()
+        docs = list(read_documents([tmp_path / name], stats))
+        per_file[name] = [d.text for d in docs]
+        assert stats.bad_total == 0 and stats.documents == 3
+        assert all(d.source == str(tmp_path / name) for d in docs)
+        assert len({d.id for d in docs}) == 3
+    assert all(texts == TEXTS for texts in per_file.values())
+
+
+def test_txt_and_directories(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for i, t in enumerate(TEXTS):
+        (tmp_path / "sub" / f"{i}.txt").write_text(t)
+    (tmp_path / "sub" / "ignored.bin").write_bytes(b"\x00\x01")
+    stats = ReadStats()
+    docs = list(read_documents([tmp_path / "sub"], stats))
+    assert [d.text for d in docs] == TEXTS and stats.bad_total == 0
+
+
+def test_bad_records_are_counted_with_file_and_line(tmp_path):
+    lines = [
+        json.dumps({"text": "good one"}),
+        "{not json",
+        json.dumps({"body": "no text field"}),
+        json.dumps({"text": 7}),
+        json.dumps({"text": "good two"}),
+    ]
+    raw = ("\n".join(lines) + "\n").encode() + b'{"text": "bad \xff utf8"}\n'
+    (tmp_path / "b.jsonl").write_bytes(raw)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bin.txt").write_bytes(b"abc\x00def")
+    stats = ReadStats()
+    docs = list(read_documents([tmp_path / "b.jsonl", tmp_path / "empty.txt", tmp_path / "bin.txt"], stats))
+    assert [d.text for d in docs] == ["good one", "good two"]
+    assert stats.bad == {
+        "not valid JSON": 1,
+        "missing or non-string field 'text'": 2,
+        "invalid UTF-8": 1,
+        "empty file": 1,
+        "binary file": 1,
+    }
+    assert f"{tmp_path / 'b.jsonl'}:2: not valid JSON" in stats.examples
+    with pytest.raises(DataError, match="6 of 8 records were bad"):
+        check_bad_fraction(stats, 0.5, "read")
+    check_bad_fraction(stats, 0.8, "read")  # within the allowed fraction: no error
+
+
+@pytest.mark.parametrize("name", ["t.jsonl.gz", "t.jsonl.zst", "t.parquet"])
+def test_truncated_files_keep_what_was_readable(tmp_path, name):
+    texts = [f"document number {i} " * 20 for i in range(2000)]
+    whole = tmp_path / ("whole_" + name)
+    if name.endswith(".gz"):
+        whole.write_bytes(gzip.compress(_jsonl_bytes(texts)))
+    elif name.endswith(".zst"):
+        whole.write_bytes(zstandard.ZstdCompressor().compress(_jsonl_bytes(texts)))
+    else:
+        pq.write_table(pa.table({"text": texts}), whole, row_group_size=100)
+    data = whole.read_bytes()
+    cut = tmp_path / name
+    cut.write_bytes(data[: len(data) // 2])
+    stats = ReadStats()
+    docs = list(read_documents([cut], stats))
+    assert stats.bad_total == 1
+    assert "truncated or corrupt" in next(iter(stats.bad)) or "unreadable parquet" in next(iter(stats.bad))
+    assert len(docs) < len(texts)
+    assert all(d.text == texts[i] for i, d in enumerate(docs))
+
+
+def test_missing_input_and_unsupported_type(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        list(read_documents([tmp_path / "nope.jsonl"], ReadStats()))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(DataError, match="unsupported file type"):
+        list(read_documents([tmp_path / "x.csv"], ReadStats()))
+
+
+def test_parquet_missing_column(tmp_path):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "c.parquet")
+    stats = ReadStats()
+    assert list(read_documents([tmp_path / "c.parquet"], stats)) == []
+    assert stats.bad == {"missing column 'text'": 1}
+    docs = list(read_documents([tmp_path / "c.parquet"], ReadStats(), text_field="body"))
+    assert [d.text for d in docs] == ["x"]
+
+
+def test_multi_frame_zstd(tmp_path):
+    c = zstandard.ZstdCompressor()
+    (tmp_path / "m.jsonl.zst").write_bytes(
+        c.compress(_jsonl_bytes(TEXTS[:2])) + c.compress(_jsonl_bytes(TEXTS[2:]))
+    )
+    stats = ReadStats()
+    assert [d.text for d in read_documents([tmp_path / "m.jsonl.zst"], stats)] == TEXTS
+    assert stats.bad_total == 0
