@@ -124,3 +124,27 @@ def test_multi_frame_zstd(tmp_path):
     stats = ReadStats()
     assert [d.text for d in read_documents([tmp_path / "m.jsonl.zst"], stats)] == TEXTS
     assert stats.bad_total == 0
+
+
+def test_stdlib_corpus_documents(tmp_path, capsys):
+    from shipyard.cli import main
+    from shipyard.data.stdlib import split_of
+
+    out = tmp_path / "stdlib"
+    assert main(["data", "stdlib", "--out", str(out)]) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert (
+        stats["train"]["documents"] > 300
+        and 0 < stats["validation"]["documents"] < stats["train"]["documents"] / 10
+    )
+    docs = list(read_documents([out / "validation.jsonl"], ReadStats()))
+    assert docs and all(
+        split_of(d.text and json.loads((out / "validation.jsonl").read_text().splitlines()[0])["id"][7:])
+        == "validation"
+        for d in docs[:1]
+    )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".stdlib.")]  # no temporary left behind
+    # a second run refuses to overwrite, in one line
+    capsys.readouterr()
+    assert main(["data", "stdlib", "--out", str(out)]) == 3
+    assert "already exists" in capsys.readouterr().err

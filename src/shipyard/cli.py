@@ -47,6 +47,18 @@ def _cmd_data_bytes(args) -> int:
     return 0
 
 
+def _cmd_data_stdlib(args) -> int:
+    from shipyard.data.stdlib import write_stdlib_documents
+
+    stats = write_stdlib_documents(args.out, overwrite=args.overwrite)
+    train, val = stats["train"], stats["validation"]
+    print(
+        f"wrote {train['documents']} train and {val['documents']} validation documents "
+        f"({(train['bytes'] + val['bytes']) / 1e6:.1f} MB) to {args.out}"
+    )
+    return 0
+
+
 def _cmd_report(args) -> int:
     from shipyard.report import write_report
 
@@ -88,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     by.add_argument("--split", choices=("train", "validation"), default="train")
     by.add_argument("--max-bytes", type=int, default=None, help="stop after this many bytes")
     by.set_defaults(func=_cmd_data_bytes)
+
+    sl = data_sub.add_parser(
+        "stdlib", help="write the stdlib corpus as jsonl documents with a train/validation split"
+    )
+    sl.add_argument("--out", type=Path, required=True, help="output directory")
+    sl.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    sl.set_defaults(func=_cmd_data_stdlib)
 
     rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
     rep.add_argument("run_dir", type=Path)

@@ -9,35 +9,14 @@ machine with the same Python version.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from shipyard.data.stdlib import split_of, stdlib_files
+
 EOS_ID = 256
-VALIDATION_PERCENT = 2
-
-
-def stdlib_files() -> list[tuple[str, Path]]:
-    """(relative path, absolute path) of every .py under the stdlib, sorted, tests and site-packages excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__")
-        )
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                out.append((path.relative_to(root).as_posix(), path))
-    return out
-
-
-def split_of(relpath: str) -> str:
-    digest = hashlib.sha256(relpath.encode()).digest()
-    return "validation" if int.from_bytes(digest[:4], "little") % 100 < VALIDATION_PERCENT else "train"
 
 
 def write_byte_tokens(out: Path, split: str = "train", max_bytes: int | None = None) -> dict:
