@@ -119,6 +119,41 @@ class DataConfig(_Schema):
     """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
 
 
+class FilterConfig(_Schema):
+    """Heuristic quality rules (Gopher / C4 style); each is counted separately. Null disables a rule."""
+
+    profile: Literal["prose", "code"] = "prose"
+    """prose applies every rule; code skips the rules that would throw out source code (word shape, alphabetic fraction, symbols, terminal punctuation)."""
+    min_words: int | None = Field(50, ge=0)
+    """Drop documents with fewer words (whitespace-separated tokens)."""
+    max_words: int | None = Field(100_000, gt=0)
+    """Drop documents with more words."""
+    min_chars: int | None = Field(None, ge=0)
+    """Drop documents with fewer characters."""
+    min_mean_word_length: float | None = Field(3.0, ge=0)
+    """prose: drop documents whose mean word length is below this."""
+    max_mean_word_length: float | None = Field(10.0, gt=0)
+    """prose: drop documents whose mean word length is above this."""
+    min_alpha_word_fraction: float | None = Field(0.8, ge=0, le=1)
+    """prose: drop documents where fewer than this fraction of words contain a letter."""
+    max_symbol_word_ratio: float | None = Field(0.1, ge=0)
+    """prose: drop documents with more '#' and '...' per word than this."""
+    max_duplicate_line_fraction: float | None = Field(0.3, ge=0, le=1)
+    """Drop documents where more than this fraction of non-empty lines are repeats of an earlier line."""
+    max_top_ngram_fraction: float | None = Field(0.2, ge=0, le=1)
+    """Drop documents where the most frequent word 2-gram covers more than this fraction of characters."""
+    max_duplicate_ngram_fraction: float | None = Field(0.15, ge=0, le=1)
+    """Drop documents where characters inside repeated word 5-grams exceed this fraction."""
+    min_terminal_punct_line_fraction: float | None = Field(None, ge=0, le=1)
+    """prose (C4): drop documents where fewer than this fraction of lines end in . ! ? or a quote; off by default."""
+    code_max_duplicate_line_fraction: float | None = Field(0.5, ge=0, le=1)
+    """code profile's duplicate-line limit (code repeats lines like `return None` legitimately)."""
+    code_max_top_ngram_fraction: float | None = Field(0.4, ge=0, le=1)
+    """code profile's top 2-gram limit."""
+    code_max_duplicate_ngram_fraction: float | None = Field(0.6, ge=0, le=1)
+    """code profile's repeated 5-gram limit (the prose default would drop a third of the stdlib)."""
+
+
 class OptimizerConfig(_Schema):
     """Gradient clipping, then AdamW (or Muon for matrices), scaled by the schedule."""
 
