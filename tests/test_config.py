@@ -131,3 +131,15 @@ def test_unwritable_output_is_one_line(tmp_path, capsys):
     assert main(["data", "bytes", "--out", str(blocker / "sub" / "tokens.npy"), "--max-bytes", "1000"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(blocker) in err[0]
+
+
+def test_overrides_may_follow_flags(capsys):
+    assert main(["config", "show", "tiny", "model.num_layers=3"]) == 0
+    before = capsys.readouterr().out
+    assert main(["--debug", "config", "show", "tiny", "model.num_layers=3"]) == 0
+    assert capsys.readouterr().out == before
+    assert (
+        main(["train", "tiny", "--overwrite", "train.steps=-1"]) == 2
+    )  # parsed as an override, then rejected
+    assert "train.steps" in capsys.readouterr().err
+    assert main(["data", "stdlib", "--out", "x", "model.num_layers=3"]) == 2  # no overrides there

@@ -129,3 +129,17 @@ def test_checkpoints_hold_the_train_state(tmp_path, byte_tokens):
     # the saved params are the ones whose norm was logged after the last step
     norm = float(np.sqrt(sum(float(np.sum(np.square(np.asarray(x)))) for x in jax.tree.leaves(params))))
     assert norm == pytest.approx(_metrics(tmp_path / "ck")[-1]["param_norm"], rel=1e-5)
+
+
+def test_debug_nans_names_the_first_bad_operation(tmp_path, byte_tokens):
+    import jax
+
+    args = [
+        "train.steps=5",
+        "train.optimizer.lr=1e30",
+        "train.schedule.warmup_steps=0",
+        "train.optimizer.clip_norm=null",
+    ]
+    with pytest.raises(FloatingPointError, match=r"invalid value \((inf|nan)\) encountered"):
+        _train(tmp_path, byte_tokens, "dbg", *args, "--debug-nans")
+    assert not jax.config.jax_debug_nans and not jax.config.jax_debug_infs  # scoped to the run

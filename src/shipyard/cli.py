@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--overwrite", action="store_true", help="replace an existing run in the run directory")
     tr.add_argument(
-        "--debug-nans", action="store_true", help="turn on JAX NaN checking (slow; finds the first NaN)"
+        "--debug-nans",
+        action="store_true",
+        help="turn on JAX NaN and Inf checking (slow): the first operation producing one raises, with its traceback",
     )
     tr.set_defaults(func=_cmd_train)
 
@@ -118,7 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        # argparse stops collecting positional overrides at the first flag;
+        # `train tiny --overwrite train.steps=5` must still take train.steps=5.
+        overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+        unknown = [a for a in extra if a not in overrides]
+        if unknown or (overrides and not hasattr(args, "overrides")):
+            parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+        if overrides:
+            args.overrides = [*args.overrides, *overrides]
         return args.func(args)
     except ShipyardError as e:
         if debug:

@@ -35,7 +35,19 @@ def _host_metrics(m: dict) -> dict:
 def train(
     cfg: Config, *, run_dir: Path | None = None, overwrite: bool = False, debug_nans: bool = False
 ) -> Path:
-    """Train `cfg` for `train.steps` steps; returns the run directory."""
+    """Train `cfg` for `train.steps` steps; returns the run directory.
+
+    `debug_nans` turns on JAX's NaN *and* Inf checking for this run: the first
+    operation that produces either raises FloatingPointError naming it (an
+    overflow to inf usually comes a step before the NaN it turns into).
+    """
+    if not debug_nans:
+        return _train(cfg, run_dir, overwrite)
+    with jax.debug_nans(True), jax.debug_infs(True):
+        return _train(cfg, run_dir, overwrite)
+
+
+def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
     if cfg.data.train_tokens is None:
         raise ConfigError(
             "data.train_tokens is not set: give a 1-D .npy of token ids "
@@ -57,9 +69,6 @@ def train(
         "train_tokens": {"path": str(cfg.data.train_tokens), "sha256": file_sha256(cfg.data.train_tokens)}
     }
     write_run_header(run_dir, cfg, inputs)
-    if debug_nans:
-        jax.config.update("jax_debug_nans", True)
-
     specs = param_specs(cfg.model)
     shardings = param_shardings(specs, mesh, DEFAULT_RULES)
     optimizer = build_optimizer(cfg.train, specs)
