@@ -15,22 +15,28 @@ from shipyard.config import FilterConfig
 TERMINAL = (".", "!", "?", '"', "'", "”", "’")
 
 
-def _ngram_stats(words: list[str], n: int) -> tuple[float, float]:
-    """(top n-gram char fraction, char fraction covered by n-grams seen more than once)."""
-    if len(words) < n:
-        return 0.0, 0.0
-    total = sum(len(w) for w in words) or 1
+def _ngrams(words: list[str], n: int) -> tuple[list[tuple[str, ...]], Counter]:
     grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-    counts = Counter(grams)
+    return grams, Counter(grams)
+
+
+def _top_ngram_fraction(words: list[str], n: int) -> float:
+    """Fraction of word characters taken by the most frequent n-gram's repeats (0 if none repeats)."""
+    grams, counts = _ngrams(words, n)
+    if not grams:
+        return 0.0
     top, top_count = counts.most_common(1)[0]
-    top_frac = sum(len(w) for w in top) * top_count / total if top_count > 1 else 0.0
+    return sum(len(w) for w in top) * top_count / (sum(len(w) for w in words) or 1) if top_count > 1 else 0.0
+
+
+def _duplicate_ngram_fraction(words: list[str], n: int) -> float:
+    """Fraction of word characters inside n-grams that occur more than once."""
+    grams, counts = _ngrams(words, n)
     covered = [False] * len(words)
     for i, g in enumerate(grams):
         if counts[g] > 1:
-            for j in range(i, i + n):
-                covered[j] = True
-    dup_frac = sum(len(w) for w, c in zip(words, covered) if c) / total
-    return top_frac, dup_frac
+            covered[i : i + n] = [True] * n
+    return sum(len(w) for w, c in zip(words, covered) if c) / (sum(len(w) for w in words) or 1)
 
 
 def failed_rule(text: str, cfg: FilterConfig) -> str | None:
@@ -75,9 +81,9 @@ def failed_rule(text: str, cfg: FilterConfig) -> str | None:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if max_dup_lines is not None and lines and (len(lines) - len(set(lines))) / len(lines) > max_dup_lines:
         return "duplicate_lines"
-    if max_top is not None and _ngram_stats(words, 2)[0] > max_top:
+    if max_top is not None and _top_ngram_fraction(words, 2) > max_top:
         return "top_ngram"
-    if max_dup_ngrams is not None and _ngram_stats(words, 5)[1] > max_dup_ngrams:
+    if max_dup_ngrams is not None and _duplicate_ngram_fraction(words, 5) > max_dup_ngrams:
         return "duplicate_ngrams"
     if prose and cfg.min_terminal_punct_line_fraction is not None and lines:
         ended = sum(line.endswith(TERMINAL) for line in lines) / len(lines)
