@@ -56,14 +56,6 @@ class ReadStats:
     def bad_total(self) -> int:
         return sum(self.bad.values())
 
-    def as_dict(self) -> dict:
-        return {
-            "documents": self.documents,
-            "bytes": self.bytes,
-            "bad": dict(self.bad),
-            "examples": self.examples,
-        }
-
 
 def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     """Files named directly, plus the readable files under named directories (sorted, so order is stable)."""

@@ -20,13 +20,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     QK^T and PV over the full seq x seq matrix (what XLA computes) in forward
     (4 x seq x heads x head_dim per layer) and backward (twice that).
     """
-    c = cfg
     per_layer = (
-        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-        + 3 * c.hidden_size * c.intermediate_size
+        cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
     )
-    matmul_params = c.num_layers * per_layer + c.hidden_size * c.vocab_size
-    attention = 12 * c.num_layers * seq_len * c.num_heads * c.head_dim
+    matmul_params = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+    attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
     return 6.0 * matmul_params + attention
 
 
