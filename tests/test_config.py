@@ -84,7 +84,7 @@ def _schemas(model=Config, seen=None):
 
 
 def test_every_field_has_a_docstring():
-    from shipyard.config import FilterConfig
+    from shipyard.data.configs import FilterConfig
 
     missing = [
         f"{m.__name__}.{name}"

@@ -4,7 +4,7 @@ import json.decoder
 
 import pytest
 
-from shipyard.config import FilterConfig
+from shipyard.data.configs import FilterConfig
 from shipyard.data import filters
 from shipyard.data.filters import failed_rule
 

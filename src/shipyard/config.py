@@ -21,13 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shipyard.errors import ConfigError
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
     # extra="forbid" turns a typo in a YAML key into an error instead of a
     # silently ignored setting; frozen=True keeps configs as values.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class RopeScaling(_Schema):
+class RopeScaling(Schema):
     """Llama-3 style RoPE frequency scaling (introduced with Llama 3.1)."""
 
     factor: float = Field(8.0, gt=0)
@@ -46,7 +46,7 @@ class RopeScaling(_Schema):
         return self
 
 
-class ModelConfig(_Schema):
+class ModelConfig(Schema):
     """A dense decoder-only transformer of the Llama-3 family."""
 
     vocab_size: int = Field(gt=0)
@@ -110,7 +110,7 @@ class ModelConfig(_Schema):
         return self
 
 
-class DataConfig(_Schema):
+class DataConfig(Schema):
     """Where training tokens come from and how sequences are cut."""
 
     train_tokens: str | None = None
@@ -119,42 +119,7 @@ class DataConfig(_Schema):
     """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
 
 
-class FilterConfig(_Schema):
-    """Heuristic quality rules (Gopher / C4 style); each is counted separately. Null disables a rule."""
-
-    profile: Literal["prose", "code"] = "prose"
-    """prose applies every rule; code skips the rules that would throw out source code (word shape, alphabetic fraction, symbols, terminal punctuation)."""
-    min_words: int | None = Field(50, ge=0)
-    """Drop documents with fewer words (whitespace-separated tokens)."""
-    max_words: int | None = Field(100_000, gt=0)
-    """Drop documents with more words."""
-    min_chars: int | None = Field(None, ge=0)
-    """Drop documents with fewer characters."""
-    min_mean_word_length: float | None = Field(3.0, ge=0)
-    """prose: drop documents whose mean word length is below this."""
-    max_mean_word_length: float | None = Field(10.0, gt=0)
-    """prose: drop documents whose mean word length is above this."""
-    min_alpha_word_fraction: float | None = Field(0.8, ge=0, le=1)
-    """prose: drop documents where fewer than this fraction of words contain a letter."""
-    max_symbol_word_ratio: float | None = Field(0.1, ge=0)
-    """prose: drop documents with more '#' and '...' per word than this."""
-    max_duplicate_line_fraction: float | None = Field(0.3, ge=0, le=1)
-    """Drop documents where more than this fraction of non-empty lines are repeats of an earlier line."""
-    max_top_ngram_fraction: float | None = Field(0.2, ge=0, le=1)
-    """Drop documents where the most frequent word 2-gram covers more than this fraction of characters."""
-    max_duplicate_ngram_fraction: float | None = Field(0.15, ge=0, le=1)
-    """Drop documents where characters inside repeated word 5-grams exceed this fraction."""
-    min_terminal_punct_line_fraction: float | None = Field(None, ge=0, le=1)
-    """prose (C4): drop documents where fewer than this fraction of lines end in . ! ? or a quote; off by default."""
-    code_max_duplicate_line_fraction: float | None = Field(0.5, ge=0, le=1)
-    """code profile's duplicate-line limit (code repeats lines like `return None` legitimately)."""
-    code_max_top_ngram_fraction: float | None = Field(0.4, ge=0, le=1)
-    """code profile's top 2-gram limit."""
-    code_max_duplicate_ngram_fraction: float | None = Field(0.6, ge=0, le=1)
-    """code profile's repeated 5-gram limit (the prose default would drop a third of the stdlib)."""
-
-
-class OptimizerConfig(_Schema):
+class OptimizerConfig(Schema):
     """Gradient clipping, then AdamW (or Muon for matrices), scaled by the schedule."""
 
     name: Literal["adamw", "muon"] = "adamw"
@@ -183,7 +148,7 @@ class OptimizerConfig(_Schema):
     """With muon: Newton-Schulz iterations per update."""
 
 
-class ScheduleConfig(_Schema):
+class ScheduleConfig(Schema):
     """Learning-rate schedule as a function of the training step."""
 
     kind: Literal["constant", "cosine", "wsd"] = "cosine"
@@ -196,7 +161,7 @@ class ScheduleConfig(_Schema):
     """wsd only: fraction of all steps spent in the final linear decay."""
 
 
-class PrecisionConfig(_Schema):
+class PrecisionConfig(Schema):
     """Mixed precision: params stay fp32; matmuls run in compute_dtype."""
 
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -207,7 +172,7 @@ class PrecisionConfig(_Schema):
     """float16 only: double the loss scale after this many consecutive finite steps."""
 
 
-class LoggingConfig(_Schema):
+class LoggingConfig(Schema):
     """What is recorded and shown while training."""
 
     log_every: int = Field(10, gt=0)
@@ -218,7 +183,7 @@ class LoggingConfig(_Schema):
     """Peak FLOP/s of one device for MFU; null measures a matmul peak on CPU."""
 
 
-class CheckpointConfig(_Schema):
+class CheckpointConfig(Schema):
     """Saving the full train state (params, optimizer state, step, loss scale) with Orbax."""
 
     every: int | None = Field(1000, gt=0)
@@ -229,7 +194,7 @@ class CheckpointConfig(_Schema):
     """Keep only the newest this many checkpoints; null keeps all."""
 
 
-class TrainConfig(_Schema):
+class TrainConfig(Schema):
     """The optimisation loop."""
 
     steps: int = Field(gt=0)
@@ -264,7 +229,7 @@ class TrainConfig(_Schema):
         return self
 
 
-class MeshConfig(_Schema):
+class MeshConfig(Schema):
     """Device mesh axis sizes; -1 means "all remaining devices" (at most one axis)."""
 
     data: int = -1
@@ -288,7 +253,7 @@ class MeshConfig(_Schema):
         return self
 
 
-class RunConfig(_Schema):
+class RunConfig(Schema):
     """Where the run directory goes."""
 
     name: str = "run"
@@ -297,7 +262,7 @@ class RunConfig(_Schema):
     """Parent directory of run directories."""
 
 
-class Config(_Schema):
+class Config(Schema):
     """Everything needed to reproduce a training run."""
 
     run: RunConfig = RunConfig()
@@ -331,7 +296,7 @@ def preset_names() -> list[str]:
     return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
 
 
-def _read_yaml(text: str, where: str) -> dict:
+def read_yaml(text: str, where: str) -> dict:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -355,10 +320,10 @@ def _load_source(source: str, seen: tuple[str, ...] = ()) -> dict:
             text = path.read_text()
         except OSError as e:
             raise ConfigError(f"config file {source}: cannot read: {e.strerror}") from e
-        data = _read_yaml(text, f"config file {source}")
+        data = read_yaml(text, f"config file {source}")
     elif source in preset_names():
         text = resources.files("shipyard").joinpath(PRESET_DIR, f"{source}.yaml").read_text()
-        data = _read_yaml(text, f"preset {source}")
+        data = read_yaml(text, f"preset {source}")
     else:
         raise ConfigError(
             f"config {source!r}: no such file and no preset of that name "
@@ -411,9 +376,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _schema_at(loc: tuple) -> type[BaseModel] | None:
+def _schema_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
     """The schema class that owns location `loc` (for listing valid keys)."""
-    schema: Any = Config
+    schema: Any = root
     for part in loc:
         field = schema.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
@@ -429,14 +394,14 @@ def _schema_at(loc: tuple) -> type[BaseModel] | None:
     return schema
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, root: type[BaseModel] | None = None) -> str:
     """One line naming each bad field, what was given and what is expected."""
     parts = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         name = ".".join(str(p) for p in loc) or "config"
         if e["type"] == "extra_forbidden":
-            owner = _schema_at(loc[:-1])
+            owner = _schema_at(loc[:-1], root or Config)
             valid = f" (valid keys: {', '.join(owner.model_fields)})" if owner else ""
             parts.append(f"{name}: unknown key{valid}")
             continue

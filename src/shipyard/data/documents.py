@@ -31,11 +31,11 @@ MAX_EXAMPLES = 20  # bad-record examples kept per run for the stats JSON
 @dataclass(frozen=True)
 class Document:
     id: str
-    """Stable id: `<file>:<line>` (jsonl), `<file>#<row>` (parquet) or the file path (txt, html)."""
+    """Stable id: the record's `id` field when it has one, else `<file>:<line>` (jsonl), `<file>#<row>` (parquet) or the file path (txt, html)."""
     text: str
     """The document's text (raw HTML for .html files; extraction is a later stage)."""
     source: str
-    """The file it came from."""
+    """The file it came from (the record's `source` field when it has one, so it survives stages)."""
 
 
 @dataclass
@@ -137,7 +137,14 @@ def _read_jsonl(path: Path, text_field: str, stats: ReadStats) -> Iterator[Docum
                 if not isinstance(text, str):
                     stats.reject(where, f"missing or non-string field {text_field!r}")
                     continue
-                yield Document(id=where, text=text, source=str(path))
+                # Stage outputs carry the original id and source along; raw
+                # files without them get their position as the id.
+                doc_id, source = record.get("id"), record.get("source")
+                yield Document(
+                    id=doc_id if isinstance(doc_id, str) else where,
+                    text=text,
+                    source=source if isinstance(source, str) else str(path),
+                )
     except (EOFError, OSError, zlib.error, _zstd_error()) as e:  # a cut-off or corrupt compressed stream
         stats.reject(f"{path}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
 

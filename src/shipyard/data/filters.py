@@ -9,8 +9,11 @@ for source code (length, repetition), so code is not thrown out by prose rules.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
-from shipyard.config import FilterConfig
+from shipyard.data.configs import FilterConfig, ReadConfig
+from shipyard.data.documents import Document
+from shipyard.data.stage import config_record, run_document_stage
 
 TERMINAL = (".", "!", "?", '"', "'", "”", "’")
 
@@ -39,11 +42,18 @@ def _duplicate_ngram_fraction(words: list[str], n: int) -> float:
     return sum(len(w) for w, c in zip(words, covered) if c) / (sum(len(w) for w in words) or 1)
 
 
-def failed_rule(text: str, cfg: FilterConfig) -> str | None:
-    """Name of the first rule `text` fails, or None when it passes them all."""
+def profile_for(source: str, cfg: FilterConfig) -> str:
+    """The profile a document from `source` gets: cfg.profile, or by file suffix when it is auto."""
+    if cfg.profile != "auto":
+        return cfg.profile
+    return "code" if source.endswith(cfg.code_extensions) else "prose"
+
+
+def failed_rule(text: str, cfg: FilterConfig, source: str = "") -> str | None:
+    """Name of the first rule `text` (from file `source`) fails, or None when it passes them all."""
     words = text.split()
     n_words = len(words)
-    prose = cfg.profile == "prose"
+    prose = profile_for(source, cfg) == "prose"
     if cfg.min_chars is not None and len(text) < cfg.min_chars:
         return "min_chars"
     if cfg.min_words is not None and n_words < cfg.min_words:
@@ -90,3 +100,45 @@ def failed_rule(text: str, cfg: FilterConfig) -> str | None:
         if ended < cfg.min_terminal_punct_line_fraction:
             return "terminal_punctuation"
     return None
+
+
+# ----------------------------------------------------------------------------- the filter stage
+
+# Set once per worker process by the pool initializer (a worker serves one stage).
+_CFG: FilterConfig | None = None
+
+
+def _init(cfg: FilterConfig) -> None:
+    global _CFG
+    _CFG = cfg
+
+
+def filter_batch(docs: list[Document]) -> tuple[list[Document], Counter, list[dict]]:
+    kept, drops, examples = [], Counter(), []
+    for doc in docs:
+        rule = failed_rule(doc.text, _CFG, doc.source)
+        if rule is None:
+            kept.append(doc)
+        else:
+            if not drops[rule]:  # the first drop of each rule in a batch, to see what a rule catches
+                examples.append({"id": doc.id, "rule": rule, "start": doc.text[:120]})
+            drops[rule] += 1
+    return kept, drops, examples
+
+
+def run_filter(
+    inputs: list[str], out: Path, cfg: FilterConfig, read: ReadConfig, workers: int, overwrite: bool = False
+) -> dict:
+    return run_document_stage(
+        "filter",
+        inputs,
+        out,
+        config_record(read, filter=cfg),
+        filter_batch,
+        workers=workers,
+        text_field=read.text_field,
+        max_bad_fraction=read.max_bad_fraction,
+        overwrite=overwrite,
+        initializer=_init,
+        initargs=(cfg,),
+    )

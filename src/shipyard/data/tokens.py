@@ -7,7 +7,6 @@ can be repeated, or continued at any step, without replaying earlier steps.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +53,3 @@ def batch_at(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len:
     rng = np.random.Generator(np.random.PCG64([seed, step]))
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts])
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from shipyard.config import Config
-from shipyard.data.tokens import batch_at, file_sha256, load_tokens
+from shipyard.data.shards import file_sha256
+from shipyard.data.tokens import batch_at, load_tokens
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_params, param_specs

@@ -1,0 +1,181 @@
+"""`shipyard data prepare CONFIG`: the whole data chain, each stage into <out>/<NN-stage>.
+
+extract (when configured) → filter → dedup → decontaminate (when configured)
+→ tokenizer-train (unless tokenizer_path is given) → tokenize; validation
+inputs are extracted (when configured) and tokenized with the same tokenizer.
+
+A stage whose directory is complete (stages rename into place only when done)
+with the same inputs and config is skipped, so rerunning after a failure
+picks up where it stopped. A complete stage with a different config is
+refused unless --overwrite: nothing is silently replaced. (The content-
+addressed pipeline of `shipyard run` generalises this.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from shipyard.data.configs import PrepareConfig
+from shipyard.data.stage import config_record, default_workers, write_json
+from shipyard.errors import DataError
+
+
+def _status(out: Path, inputs: list[str], record: dict) -> str:
+    """'new', 'done' or 'changed' for a stage directory (stale: done, but upstream reran)."""
+    stats = out / "stats.json"
+    if not out.exists():
+        return "new"
+    try:
+        old = json.loads(stats.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "changed"
+    return "done" if old.get("config") == record and old.get("inputs") == inputs else "changed"
+
+
+def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str], None] = print) -> dict:
+    from shipyard.data.decontaminate import run_decontaminate
+    from shipyard.data.dedup import run_dedup
+    from shipyard.data.extract import run_extract
+    from shipyard.data.filters import run_filter
+    from shipyard.data.tokenize import run_tokenize
+    from shipyard.data.tokenizer import run_tokenizer_train, tokenizer_record
+
+    out = Path(cfg.out)
+    workers = cfg.workers or default_workers()
+    summary: dict = {"out": str(out), "stages": {}}
+    started = time.time()
+
+    rerun = False  # once a stage reruns, everything downstream of it must too
+
+    def stage(name: str, inputs: list[str], record: dict, run: Callable[[Path, bool], dict]) -> str:
+        nonlocal rerun
+        target = out / name
+        status = _status(target, inputs, record)
+        if status == "done" and rerun:
+            status = "stale"
+        if status == "done":
+            log(f"[{name}] done already: {target}")
+            result = json.loads((target / "stats.json").read_text())
+        elif status == "changed" and not overwrite:
+            raise DataError(
+                f"data prepare: {target} holds a stage run with other inputs or config; "
+                "pass --overwrite to redo it (and everything after it) or choose another out"
+            )
+        else:
+            result = run(target, status != "new")
+            rerun = True
+            log(f"[{name}] {describe(result)}")
+        summary["stages"][name] = {
+            k: result.get(k) for k in ("documents_in", "documents_out", "dropped", "seconds")
+        }
+        return str(target)
+
+    current = list(cfg.inputs)
+    n = 0
+
+    def numbered(name: str) -> str:
+        nonlocal n
+        n += 1
+        return f"{n:02d}-{name}"
+
+    if cfg.extract is not None:
+        c = cfg.extract
+        current = [
+            stage(
+                numbered("extract"),
+                current,
+                config_record(cfg.read, extract=c),
+                lambda t, ow, i=current: run_extract(i, t, c, cfg.read, workers, ow),
+            )
+        ]
+    if cfg.filter is not None:
+        c = cfg.filter
+        current = [
+            stage(
+                numbered("filter"),
+                current,
+                config_record(cfg.read, filter=c),
+                lambda t, ow, i=current: run_filter(i, t, c, cfg.read, workers, ow),
+            )
+        ]
+    if cfg.dedup is not None:
+        c = cfg.dedup
+        current = [
+            stage(
+                numbered("dedup"),
+                current,
+                config_record(cfg.read, dedup=c),
+                lambda t, ow, i=current: run_dedup(i, t, c, cfg.read, workers, ow),
+            )
+        ]
+    if cfg.decontaminate is not None:
+        c = cfg.decontaminate
+        current = [
+            stage(
+                numbered("decontaminate"),
+                current,
+                config_record(cfg.read, decontaminate=c),
+                lambda t, ow, i=current: run_decontaminate(i, t, c, cfg.read, workers, ow),
+            )
+        ]
+    if cfg.tokenizer_path is not None:
+        tokenizer = cfg.tokenizer_path
+    else:
+        c = cfg.tokenizer
+        tokenizer = stage(
+            numbered("tokenizer"),
+            current,
+            config_record(cfg.read, tokenizer=c),
+            lambda t, ow, i=current: run_tokenizer_train(i, t, c, cfg.read, ow),
+        )
+    tokenizer_id = tokenizer_record(tokenizer)  # a changed tokenizer file reruns tokenization
+    c = cfg.tokenize
+    summary["train_shards"] = stage(
+        numbered("tokenize-train"),
+        current,
+        config_record(cfg.read, tokenize=c, tokenizer=tokenizer_id),
+        lambda t, ow, i=current: run_tokenize(i, t, tokenizer, c, cfg.read, workers, ow),
+    )
+    if cfg.validation_inputs:
+        val = list(cfg.validation_inputs)
+        if cfg.extract is not None:
+            e = cfg.extract
+            val = [
+                stage(
+                    numbered("extract-validation"),
+                    val,
+                    config_record(cfg.read, extract=e),
+                    lambda t, ow, i=val: run_extract(i, t, e, cfg.read, workers, ow),
+                )
+            ]
+        summary["validation_shards"] = stage(
+            numbered("tokenize-validation"),
+            val,
+            config_record(cfg.read, tokenize=c, tokenizer=tokenizer_id),
+            lambda t, ow, i=val: run_tokenize(i, t, tokenizer, c, cfg.read, workers, ow),
+        )
+    summary["tokenizer"] = tokenizer
+    summary["seconds"] = round(time.time() - started, 3)
+    write_json(out / "prepare.json", summary)
+    return summary
+
+
+def describe(stats: dict) -> str:
+    """One line for a person: documents and bytes in → out, drops by reason, time and rate."""
+    drops = ", ".join(f"{k} {v:,}" for k, v in stats.get("dropped", {}).items() if v)
+    bad = sum(stats.get("bad_records", {}).values())
+    parts = [
+        f"{stats['documents_in']:,} → {stats['documents_out']:,} documents",
+        f"{stats['bytes_in'] / 1e6:.1f} MB in",
+    ]
+    if "tokens" in stats:
+        parts.append(f"{stats['tokens']:,} tokens in {stats['shards']} shard(s)")
+    if drops:
+        parts.append(f"dropped: {drops}")
+    if bad:
+        parts.append(f"{bad:,} bad records skipped")
+    parts.append(f"{stats['seconds']:.1f} s ({stats['mb_per_s'] or 0:.1f} MB/s)")
+    return "; ".join(parts)
