@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 # The whole pipeline on the embedded default corpus (the stdlib source):
-# byte tokens -> 200 training steps of `tiny` -> plots + report.md.
+# documents -> filter -> dedup -> BPE tokenizer -> token shards
+# -> 200 training steps of `tiny` -> plots + report.md.
 quickstart: install
-	$(BIN)/shipyard data bytes --out $(QS)/data/train.npy
-	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/train.npy --run-dir $(QS)/run --overwrite
+	$(BIN)/shipyard data stdlib --out $(QS)/stdlib --overwrite
+	$(BIN)/shipyard data prepare configs/quickstart-data.yaml
+	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/04-tokenize-train --run-dir $(QS)/run --overwrite
 	$(BIN)/shipyard report $(QS)/run
 
 # Default tier: everything but the end-to-end runs marked slow.
@@ -44,6 +46,7 @@ format: install
 
 bench: install
 	$(BIN)/python bench/train_throughput.py
+	$(BIN)/python bench/data_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

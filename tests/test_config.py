@@ -84,11 +84,11 @@ def _schemas(model=Config, seen=None):
 
 
 def test_every_field_has_a_docstring():
-    from shipyard.data.configs import FilterConfig
+    from shipyard.data.configs import PrepareConfig
 
     missing = [
         f"{m.__name__}.{name}"
-        for m in _schemas() | _schemas(FilterConfig)
+        for m in _schemas() | _schemas(PrepareConfig)
         for name, field in m.model_fields.items()
         if not (field.description or "").strip()
     ]

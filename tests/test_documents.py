@@ -58,7 +58,7 @@ def test_bad_records_are_counted_with_file_and_line(tmp_path):
         json.dumps({"text": 7}),
         json.dumps({"text": "good two"}),
     ]
-    raw = ("\n".join(lines) + "\n").encode() + b'{"text": "bad \xff utf8"}\n'
+    raw = ("\n".join(lines) + "\n").encode() + b'{"text": "bad \xff utf8"}\n' + b'{"text": "lone \\ud800"}\n'
     (tmp_path / "b.jsonl").write_bytes(raw)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bin.txt").write_bytes(b"abc\x00def")
@@ -69,11 +69,12 @@ def test_bad_records_are_counted_with_file_and_line(tmp_path):
         "not valid JSON": 1,
         "missing or non-string field 'text'": 2,
         "invalid UTF-8": 1,
+        "lone surrogate (text not encodable as UTF-8)": 1,
         "empty file": 1,
         "binary file": 1,
     }
     assert f"{tmp_path / 'b.jsonl'}:2: not valid JSON" in stats.examples
-    with pytest.raises(DataError, match="6 of 8 records were bad"):
+    with pytest.raises(DataError, match="7 of 9 records were bad"):
         check_bad_fraction(stats, 0.5, "read")
     check_bad_fraction(stats, 0.8, "read")  # within the allowed fraction: no error
 

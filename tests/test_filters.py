@@ -4,8 +4,8 @@ import json.decoder
 
 import pytest
 
-from shipyard.data.configs import FilterConfig
 from shipyard.data import filters
+from shipyard.data.configs import FilterConfig
 from shipyard.data.filters import failed_rule
 
 GOOD_PROSE = (

@@ -114,7 +114,7 @@ class DataConfig(Schema):
     """Where training tokens come from and how sequences are cut."""
 
     train_tokens: str | None = None
-    """Path to a 1-D .npy array of token ids to train on (e.g. from `shipyard data bytes`)."""
+    """A token-shard directory (from `shipyard data tokenize` / `data prepare`) or a 1-D .npy of token ids (from `shipyard data bytes`)."""
     seq_len: int = Field(gt=0)
     """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
 

@@ -6,6 +6,7 @@ overrides on the command line; `data prepare` reads them all from one file.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -243,7 +244,7 @@ def load_prepare_config(path: str | Path, sets: list[str] = ()) -> PrepareConfig
     base = path.resolve().parent
 
     def resolve(p):
-        return str(p) if not isinstance(p, str) or Path(p).is_absolute() else str(base / p)
+        return p if not isinstance(p, str) or Path(p).is_absolute() else os.path.normpath(base / p)
 
     for key in ("inputs", "validation_inputs"):
         if isinstance(data.get(key), list):

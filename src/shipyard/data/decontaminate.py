@@ -17,7 +17,7 @@ import numpy as np
 
 from shipyard.data.configs import DecontaminateConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, read_documents
-from shipyard.data.ngrams import ngram_hashes, normalized_words
+from shipyard.data.ngrams import combine, span_hashes, span_words, word_hashes, word_spans
 from shipyard.data.stage import config_record, run_document_stage
 from shipyard.errors import DataError
 
@@ -32,9 +32,9 @@ def eval_ngrams(eval_sets: tuple[str, ...], n: int, text_field: str) -> dict[str
     for name in eval_sets:
         stats = ReadStats()
         hashes = [
-            ngram_hashes(w, n)
+            combine(w, n)
             for d in read_documents([name], stats, text_field)
-            if len(w := normalized_words(d.text)) >= n
+            if len(w := word_hashes(d.text)) >= n
         ]
         if stats.documents == 0:
             raise DataError(f"data decontaminate: evaluation set {name} holds no readable documents")
@@ -61,14 +61,15 @@ def decontaminate_batch(docs: list[Document]) -> tuple[list[Document], Counter, 
     cfg, sets = _STATE["cfg"], _STATE["sets"]
     kept, drops, examples = [], Counter(), []
     for doc in docs:
-        words = normalized_words(doc.text)
+        data, starts, ends = word_spans(doc.text)
         hits = []
-        if len(words) >= cfg.ngram:
-            grams = ngram_hashes(words, cfg.ngram)
+        if len(starts) >= cfg.ngram:
+            grams = combine(span_hashes(data, starts, ends), cfg.ngram)
             for name, table in sets.items():
                 found = np.flatnonzero(_contains(table, grams))
                 if found.size:
-                    hits.append((name, " ".join(words[found[0] : found[0] + cfg.ngram])))
+                    at = slice(found[0], found[0] + cfg.ngram)
+                    hits.append((name, " ".join(span_words(data, starts[at], ends[at]))))
         if hits:
             drops.update(f"contaminated:{name}" for name, _ in hits)
             drops["contaminated"] += 1

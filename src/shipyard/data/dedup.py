@@ -29,7 +29,7 @@ import numpy as np
 
 from shipyard.data.configs import DedupConfig, ReadConfig
 from shipyard.data.documents import Document, check_bad_fraction
-from shipyard.data.ngrams import ngram_hashes, normalized_words
+from shipyard.data.ngrams import ngram_hashes
 from shipyard.data.stage import (
     DocWriter,
     StageStats,
@@ -77,7 +77,8 @@ def exact_key(text: str) -> bytes:
 
 
 def signature(text: str, cfg: DedupConfig, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return minhash(np.unique(ngram_hashes(normalized_words(text), cfg.shingle_size)), a, b)
+    # No np.unique first: min ignores repeats, and sorting cost more than the repeats do.
+    return minhash(ngram_hashes(text, cfg.shingle_size), a, b)
 
 
 # Set once per worker process by the pool initializer (a worker serves one stage).
@@ -90,7 +91,7 @@ def _init(cfg: DedupConfig) -> None:
 
 def sketch_batch(docs: list[Document]) -> tuple[list[bytes], np.ndarray]:
     cfg, (a, b) = _STATE["cfg"], _STATE["ab"]
-    keys = [exact_key(d.text) for d in docs]
+    keys = [exact_key(d.text) if cfg.exact else b"" for d in docs]
     if not cfg.fuzzy:
         return keys, np.zeros((len(docs), 0), np.uint32)
     return keys, np.stack([signature(d.text, cfg, a, b) for d in docs])

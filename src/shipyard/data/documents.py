@@ -200,8 +200,14 @@ def read_file(path: Path, stats: ReadStats, text_field: str = "text") -> Iterato
     else:
         docs = _read_whole(path, stats)
     for doc in docs:
+        try:
+            size = len(doc.text.encode("utf-8"))
+        except UnicodeEncodeError:
+            # JSON can spell a lone surrogate ("\ud800"), which no UTF-8 writer downstream accepts.
+            stats.reject(doc.id, "lone surrogate (text not encodable as UTF-8)")
+            continue
         stats.documents += 1
-        stats.bytes += len(doc.text.encode("utf-8"))
+        stats.bytes += size
         yield doc
 
 

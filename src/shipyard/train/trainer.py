@@ -12,8 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from shipyard.config import Config
-from shipyard.data.shards import file_sha256
-from shipyard.data.tokens import batch_at, load_tokens
+from shipyard.data.tokens import batch_at, load_tokens, tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_params, param_specs
@@ -51,8 +50,8 @@ def train(
 def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
     if cfg.data.train_tokens is None:
         raise ConfigError(
-            "data.train_tokens is not set: give a 1-D .npy of token ids "
-            "(e.g. `shipyard data bytes --out tokens.npy`, then data.train_tokens=tokens.npy)"
+            "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
+            "or `data prepare`) or a 1-D .npy of token ids (e.g. from `shipyard data bytes`)"
         )
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
     tokens = load_tokens(cfg.data.train_tokens, cfg.model.vocab_size, cfg.data.seq_len)
@@ -67,7 +66,7 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
 
     prepare_run_dir(run_dir, overwrite)
     inputs = {
-        "train_tokens": {"path": str(cfg.data.train_tokens), "sha256": file_sha256(cfg.data.train_tokens)}
+        "train_tokens": {"path": str(cfg.data.train_tokens), "sha256": tokens_sha256(cfg.data.train_tokens)}
     }
     write_run_header(run_dir, cfg, inputs)
     specs = param_specs(cfg.model)
