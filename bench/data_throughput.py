@@ -5,8 +5,9 @@ stats) on the interpreter's standard library (~12 MB of code), so MB/s
 includes I/O. Extraction runs on HTML pages built from the same text with
 navigation, script and style around it.
 
-Fuzzy dedup: the corpus plus planted near-duplicates (1% of words replaced,
-shingle Jaccard ≈ 0.9) of the first `--planted` documents. shipyard's dedup
+Fuzzy dedup: the corpus, `--scale - 1` variants of it with 30% of words
+replaced (distinct documents: Jaccard ≈ 0.1), and planted near-duplicates (1%
+of words replaced, shingle Jaccard ≈ 0.9) of the first `--planted` documents. shipyard's dedup
 stage (exact off, so only MinHash + LSH counts) against datasketch's MinHash
 + MinHashLSH with the same shingles (5 normalised words), permutations (128),
 bands x rows (16 x 8) and threshold (0.8), in the same run. datasketch is timed
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument(
         "--planted", type=int, default=200, help="near-duplicates planted for the dedup comparison"
     )
+    ap.add_argument("--scale", type=int, default=3, help="dedup corpus: this many variants of the stdlib")
     ap.add_argument("--out", type=Path, default=Path("bench/results/data_throughput.json"))
     args = ap.parse_args()
     workers = default_workers()
@@ -168,7 +170,15 @@ def main() -> None:
             f"tokenize: {workers} processes {results['tokenize_scaling']['speedup']}x one process", flush=True
         )
 
-        # fuzzy dedup vs datasketch, with planted near-duplicates
+        # fuzzy dedup vs datasketch: the corpus, `--scale - 1` copies with 30% of
+        # words replaced (shingle Jaccard to the original ≈ 0.1: distinct
+        # documents, so the corpus is bigger without new duplicates), and
+        # planted near-duplicates (1% replaced, Jaccard ≈ 0.9) of the first ones.
+        copies = [
+            type(d)(id=f"copy{c}/{d.id}", text=mutate(d.text, 0.3, seed=1000 * c + i), source=d.source)
+            for c in range(1, args.scale)
+            for i, d in enumerate(docs)
+        ]
         planted = [
             type(d)(id=f"planted/{d.id}", text=mutate(d.text, 0.01, seed=i), source=d.source)
             for i, d in enumerate(docs[: args.planted])
@@ -176,7 +186,7 @@ def main() -> None:
         ]
         from data_fixtures import write_jsonl
 
-        mixed = docs + planted
+        mixed = docs + copies + planted
         path = write_jsonl(tmp / "mixed.jsonl", [d.text for d in mixed], [d.id for d in mixed])
         cfg = DedupConfig(exact=False)
         ours = {}
