@@ -83,12 +83,16 @@ def test_bands_rows_must_fit_num_perm():
         DedupConfig(num_perm=64, bands=16, rows=8)
 
 
-def test_same_output_with_two_worker_processes(tmp_path):
+def test_same_output_with_two_worker_processes(tmp_path, monkeypatch):
+    from shipyard.data import documents
+
+    monkeypatch.setattr(documents, "MIN_UNIT_BYTES", 20_000)  # several work units, so workers share them
     texts, ids, _, _ = _corpus()
     src = write_jsonl(tmp_path / "in.jsonl", texts * 3, [f"{i}-{k}" for k in range(3) for i in ids])
     one = run_dedup([str(src)], tmp_path / "one", DedupConfig(), ReadConfig(), workers=1)
     two = run_dedup([str(src)], tmp_path / "two", DedupConfig(), ReadConfig(), workers=2)
     assert one["documents_out"] == two["documents_out"] == 40
+    assert len(one["parts"]) > 3 and one["parts"] == two["parts"]
     for part in one["parts"]:
         assert (tmp_path / "one" / part).read_bytes() == (tmp_path / "two" / part).read_bytes()
 

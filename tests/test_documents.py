@@ -149,3 +149,30 @@ def test_stdlib_corpus_documents(tmp_path, capsys):
     capsys.readouterr()
     assert main(["data", "stdlib", "--out", str(out)]) == 3
     assert "already exists" in capsys.readouterr().err
+
+
+def test_work_units_read_exactly_the_documents_of_whole_files(tmp_path, monkeypatch):
+    from shipyard.data import documents
+
+    monkeypatch.setattr(documents, "MIN_UNIT_BYTES", 2000)
+    texts = [f"document {i} " + "word " * (i % 50) for i in range(400)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[17] = "{broken"
+    lines.insert(30, "")  # blank lines are skipped, but still counted for line numbers
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "big.parquet", row_group_size=40)
+    for i in range(30):
+        (tmp_path / f"small{i:02d}.txt").write_text(texts[i] * 20)
+    units = documents.plan_units([tmp_path])
+    kinds = {u.kind for u in units}
+    assert {"jsonl_range", "parquet_groups", "files"} <= kinds and len(units) > 10
+    whole_stats, unit_stats = ReadStats(), ReadStats()
+    whole = [d for p in documents.expand_inputs([tmp_path]) for d in documents.read_file(p, whole_stats)]
+    by_unit = [d for u in units for d in documents.read_unit(u, unit_stats)]
+    assert by_unit == whole and len(whole) == 399 + 400 + 30
+    assert unit_stats.bad == whole_stats.bad == {"not valid JSON": 1}
+    assert f"{tmp_path / 'big.jsonl'}:18: not valid JSON" in unit_stats.examples
+    assert (
+        by_unit[200].id == f"{tmp_path / 'big.jsonl'}:203"
+    )  # text 201, after one blank line: global line numbers
+    assert any(d.id == f"{tmp_path / 'big.parquet'}#123" and d.text == texts[123] for d in by_unit)

@@ -59,8 +59,14 @@ def test_transformers_loads_the_tokenizer(tokenizer_dir):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_shards_equal_encode_of_documents_joined_by_eos(corpus, tokenizer_dir, tmp_path, workers):
+def test_shards_equal_encode_of_documents_joined_by_eos(
+    corpus, tokenizer_dir, tmp_path, workers, monkeypatch
+):
+    from shipyard.data import documents
+
+    monkeypatch.setattr(documents, "MIN_UNIT_BYTES", 50_000)  # several work units
     path, texts = corpus
+    assert len(documents.plan_units([path])) > 3
     out = tmp_path / "shards"
     cfg = TokenizeConfig(shard_tokens=20_000, batch_documents=7)
     stats = run_tokenize([str(path)], out, tokenizer_dir, cfg, ReadConfig(), workers=workers)

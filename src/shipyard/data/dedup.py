@@ -15,9 +15,10 @@ a candidate pair whose estimated Jaccard is at least `threshold` is an edge.
 Connected components are clusters; each keeps its first document in input
 order, so the result is deterministic and independent of worker count.
 
-Pass 2 re-reads the inputs (the reader is deterministic) and writes the kept
-documents. Memory is one signature per document (num_perm * 4 bytes), never
-the texts.
+Both passes run unit by unit in the worker processes (stage.py); pass 2
+re-reads each unit (the reader is deterministic) and writes its kept
+documents. The main process holds one signature per document (num_perm * 4
+bytes) and its id, never the texts.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ from pathlib import Path
 import numpy as np
 
 from shipyard.data.configs import DedupConfig, ReadConfig
-from shipyard.data.documents import Document, check_bad_fraction
+from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.ngrams import ngram_hashes
 from shipyard.data.stage import (
     DocWriter,
     StageStats,
-    batches,
     config_record,
-    pool_map,
-    progress,
-    read_inputs,
+    part_name,
+    plan,
+    run_units,
     stage_output,
     write_json,
 )
+from shipyard.errors import DataError
 
 EMPTY = np.uint32(0xFFFFFFFF)  # the signature value of a document without words
 
@@ -89,12 +90,45 @@ def _init(cfg: DedupConfig) -> None:
     _STATE.update(cfg=cfg, ab=hash_params(cfg.num_perm, cfg.seed))
 
 
-def sketch_batch(docs: list[Document]) -> tuple[list[bytes], np.ndarray]:
+def sketch_unit(item: tuple) -> dict:
+    """Worker, pass 1: ids, exact keys and signatures of one unit's documents."""
+    unit, text_field = item
     cfg, (a, b) = _STATE["cfg"], _STATE["ab"]
-    keys = [exact_key(d.text) if cfg.exact else b"" for d in docs]
-    if not cfg.fuzzy:
-        return keys, np.zeros((len(docs), 0), np.uint32)
-    return keys, np.stack([signature(d.text, cfg, a, b) for d in docs])
+    read = ReadStats()
+    ids, keys, sigs = [], [], []
+    for doc in read_unit(unit, read, text_field):
+        ids.append(doc.id)
+        keys.append(exact_key(doc.text) if cfg.exact else b"")
+        if cfg.fuzzy:
+            sigs.append(signature(doc.text, cfg, a, b))
+    sig = np.stack(sigs) if sigs else np.zeros((len(ids), cfg.num_perm if cfg.fuzzy else 0), np.uint32)
+    return {
+        "ids": ids,
+        "keys": keys,
+        "sigs": sig,
+        "read": read,
+        "documents_in": len(ids),
+        "bytes_in": read.bytes,
+    }
+
+
+def write_unit(item: tuple) -> dict:
+    """Worker, pass 2: write the kept documents of one unit as part `index`."""
+    index, unit, out_dir, text_field, keep = item
+    read = ReadStats()
+    writer = DocWriter(Path(out_dir) / part_name(index))
+    out = {"documents_out": 0, "bytes_out": 0}
+    try:
+        for i, doc in enumerate(read_unit(unit, read, text_field)):
+            if keep[i]:
+                out["bytes_out"] += writer.write(doc)
+                out["documents_out"] += 1
+    finally:
+        writer.close()
+    if read.documents != len(keep):  # the input changed between the passes
+        raise DataError(f"data dedup: {unit.paths[0]} changed while the stage was running; run it again")
+    out["part"] = part_name(index) if writer.written else None
+    return out
 
 
 class _UnionFind:
@@ -186,56 +220,49 @@ def run_dedup(
     inputs: list[str], out: Path, cfg: DedupConfig, read: ReadConfig, workers: int, overwrite: bool = False
 ) -> dict:
     inputs = [str(p) for p in inputs]
-    config = config_record(read, dedup=cfg)
-    stats = StageStats("dedup", inputs, config, workers)
+    units = plan(inputs)
+    stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
     with stage_output(out, overwrite, "dedup") as tmp:
-        # pass 1: keys and signatures
-        read_stats, docs = read_inputs(inputs, read.text_field)
+        # pass 1: keys and signatures, unit by unit
         ids: list[str] = []
         keys: list[bytes] = []
         sig_parts: list[np.ndarray] = []
-        pending: list[list[Document]] = []
-
-        def feed():
-            for batch in batches(docs):
-                pending.append(batch)
-                yield batch
-
-        with progress("dedup: sketch", inputs) as bar:
-            for batch_keys, batch_sigs in pool_map(sketch_batch, feed(), workers, _init, (cfg,)):
-                batch = pending.pop(0)
-                ids.extend(d.id for d in batch)
-                keys.extend(batch_keys)
-                sig_parts.append(batch_sigs)
-                stats.documents_in += len(batch)
-                stats.bytes_in += sum(len(d.text.encode("utf-8")) for d in batch)
-                bar.update(len(batch))
-        check_bad_fraction(read_stats, read.max_bad_fraction, "data dedup")
+        counts: list[int] = []
+        items = ((u, read.text_field) for u in units)
+        for r in run_units("dedup: sketch", units, sketch_unit, items, workers, _init, (cfg,)):
+            stats.add(r)
+            ids.extend(r["ids"])
+            keys.extend(r["keys"])
+            sig_parts.append(r["sigs"])
+            counts.append(len(r["ids"]))
+        check_bad_fraction(stats.read, read.max_bad_fraction, "data dedup")
         sigs = np.concatenate(sig_parts) if sig_parts else np.zeros((0, cfg.num_perm), np.uint32)
-        kept, counts, examples = cluster(keys, sigs, cfg)
+        kept, cluster_counts, examples = cluster(keys, sigs, cfg)
         stats.dropped.update(
-            {"exact_duplicate": counts["exact_duplicates"], "fuzzy_duplicate": counts["fuzzy_duplicates"]}
+            {
+                "exact_duplicate": cluster_counts["exact_duplicates"],
+                "fuzzy_duplicate": cluster_counts["fuzzy_duplicates"],
+            }
         )
         stats.extra.update(
-            candidate_pairs=counts["candidate_pairs"],
-            similar_pairs=counts["similar_pairs"],
+            candidate_pairs=cluster_counts["candidate_pairs"],
+            similar_pairs=cluster_counts["similar_pairs"],
             removed_examples=[
                 {"removed": ids[i], "kept": ids[j], "jaccard_estimate": round(s, 3)} for i, j, s in examples
             ],
         )
-        # pass 2: write what is kept
-        _, docs = read_inputs(inputs, read.text_field)
-        writer = DocWriter(tmp)
-        try:
-            with progress("dedup: write", inputs) as bar:
-                for i, doc in enumerate(docs):
-                    if kept[i]:
-                        stats.bytes_out += writer.write(doc)
-                        stats.documents_out += 1
-                    bar.update(1)
-        finally:
-            writer.close()
-        result = stats.as_dict(read_stats)
-        result["parts"] = writer.parts
+        # pass 2: each unit writes its kept documents
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        items = (
+            (i, u, str(tmp), read.text_field, kept[offsets[i] : offsets[i + 1]]) for i, u in enumerate(units)
+        )
+        parts = []
+        for r in run_units("dedup: write", units, write_unit, items, workers):
+            stats.documents_out += r["documents_out"]
+            stats.bytes_out += r["bytes_out"]
+            if r["part"]:
+                parts.append(r["part"])
+        result = stats.as_dict()
+        result["parts"] = parts
         write_json(tmp / "stats.json", result)
     return result

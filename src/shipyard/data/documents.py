@@ -56,6 +56,14 @@ class ReadStats:
     def bad_total(self) -> int:
         return sum(self.bad.values())
 
+    def merge(self, other: ReadStats) -> None:
+        """Add another pass's counts (workers each read their own units)."""
+        self.documents += other.documents
+        self.bytes += other.bytes
+        for reason, n in other.bad.items():
+            self.bad[reason] = self.bad.get(reason, 0) + n
+        self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
+
 
 def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     """Files named directly, plus the readable files under named directories (sorted, so order is stable)."""
@@ -117,11 +125,31 @@ def _zstd_error() -> type[Exception]:
     return zstandard.ZstdError
 
 
-def _read_jsonl(path: Path, text_field: str, stats: ReadStats) -> Iterator[Document]:
-    lineno = 0
+def _range_lines(path: Path, start: int, end: int):
+    """Lines of a plain file from byte `start` (a line start) up to `end` (a line start, or -1 for EOF)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        for line in f:
+            if end >= 0 and pos >= end:
+                return
+            pos += len(line)
+            yield line
+
+
+def _read_jsonl(
+    path: Path, text_field: str, stats: ReadStats, unit: Unit | None = None
+) -> Iterator[Document]:
+    first = unit.first_line if unit else 1
+    lineno = first - 1
     try:
-        with _open_lines(path) as raw:
-            for lineno, line in enumerate(raw, 1):
+        raw_cm = (
+            contextlib.closing(_range_lines(path, unit.start, unit.end))
+            if unit is not None and unit.kind == "jsonl_range"
+            else _open_lines(path)
+        )
+        with raw_cm as raw:
+            for lineno, line in enumerate(raw, first):
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
@@ -149,7 +177,9 @@ def _read_jsonl(path: Path, text_field: str, stats: ReadStats) -> Iterator[Docum
         stats.reject(f"{path}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
 
 
-def _read_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[Document]:
+def _read_parquet(
+    path: Path, text_field: str, stats: ReadStats, unit: Unit | None = None
+) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -159,11 +189,16 @@ def _read_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[Doc
         stats.reject(str(path), f"unreadable parquet ({type(e).__name__})")
         return
     if text_field not in pf.schema_arrow.names:
-        stats.reject(str(path), f"missing column {text_field!r}")
+        if unit is None or unit.start == 0:  # reported once per file, not once per row group
+            stats.reject(str(path), f"missing column {text_field!r}")
         return
+    groups = None
     row = 0
+    if unit is not None and unit.kind == "parquet_groups":
+        groups = list(range(unit.start, unit.end))
+        row = unit.first_line
     try:
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024, row_groups=groups):
             for text in batch.column(0).to_pylist():
                 if isinstance(text, str):
                     yield Document(id=f"{path}#{row}", text=text, source=str(path))
@@ -190,13 +225,15 @@ def _read_whole(path: Path, stats: ReadStats) -> Iterator[Document]:
     yield Document(id=str(path), text=text, source=str(path))
 
 
-def read_file(path: Path, stats: ReadStats, text_field: str = "text") -> Iterator[Document]:
-    """Documents of one file, by its suffix; bad records go to `stats`."""
+def read_file(
+    path: Path, stats: ReadStats, text_field: str = "text", unit: Unit | None = None
+) -> Iterator[Document]:
+    """Documents of one file (or of the part of it `unit` names), by its suffix; bad records go to `stats`."""
     name = path.name
     if name.endswith(JSONL_SUFFIXES):
-        docs = _read_jsonl(path, text_field, stats)
+        docs = _read_jsonl(path, text_field, stats, unit)
     elif name.endswith(".parquet"):
-        docs = _read_parquet(path, text_field, stats)
+        docs = _read_parquet(path, text_field, stats, unit)
     else:
         docs = _read_whole(path, stats)
     for doc in docs:
@@ -215,8 +252,123 @@ def read_documents(
     inputs: Iterable[str | Path], stats: ReadStats, text_field: str = "text"
 ) -> Iterator[Document]:
     """Stream every document of every input (files or directories), in a stable order."""
-    for path in expand_inputs(inputs):
-        yield from read_file(path, stats, text_field)
+    for unit in plan_units(inputs):
+        yield from read_unit(unit, stats, text_field)
+
+
+# ----------------------------------------------------------------------------- work units
+
+MIN_UNIT_BYTES = 1 << 20
+MAX_UNIT_BYTES = 64 << 20
+UNITS_TARGET = 64
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the input one worker reads on its own: a line range of a plain jsonl file,
+    some row groups of a parquet file, a whole compressed file, or a group of small files."""
+
+    kind: str
+    """jsonl_range | parquet_groups | whole (one file read start to end) | files (several small files)."""
+    paths: tuple[str, ...]
+    """The file (one) or files (kind files)."""
+    start: int = 0
+    """jsonl_range: first byte; parquet_groups: first row group."""
+    end: int = -1
+    """jsonl_range: byte after the last line (-1: end of file); parquet_groups: row group after the last."""
+    first_line: int = 1
+    """jsonl_range: line number of the first line; parquet_groups: row number of the first row (ids stay global)."""
+    size: int = 0
+    """Bytes of input (on disk) this unit covers, for progress and balancing."""
+
+
+def unit_bytes_for(total: int) -> int:
+    """Unit size from the total input size only (never the worker count), so outputs do not depend on it."""
+    return int(min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_TARGET)))
+
+
+def _jsonl_ranges(path: Path, target: int) -> list[Unit]:
+    """Split a plain jsonl file at line starts about every `target` bytes, counting lines for the ids."""
+    size = path.stat().st_size
+    units, start, line = [], 0, 1
+    with open(path, "rb") as f:
+        while start + target < size:
+            f.seek(start + target)
+            boundary = start + target + len(f.readline())  # the next line start
+            if boundary >= size:
+                break
+            f.seek(start)
+            newlines, left = 0, boundary - start
+            while left:
+                block = f.read(min(left, 1 << 20))
+                newlines += block.count(b"\n")
+                left -= len(block)
+            units.append(Unit("jsonl_range", (str(path),), start, boundary, line, boundary - start))
+            start, line = boundary, line + newlines
+    units.append(Unit("jsonl_range", (str(path),), start, -1, line, size - start))
+    return units
+
+
+def _parquet_groups(path: Path, target: int) -> list[Unit]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowException, OSError):
+        return [Unit("whole", (str(path),), size=path.stat().st_size)]  # the reader reports it
+    units, first, row, size, group_start = [], 0, 0, 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        size += rg.total_byte_size
+        if size >= target or g == meta.num_row_groups - 1:
+            units.append(Unit("parquet_groups", (str(path),), group_start, g + 1, first, size))
+            row += sum(meta.row_group(i).num_rows for i in range(group_start, g + 1))
+            first, size, group_start = row, 0, g + 1
+    return units or [Unit("whole", (str(path),), size=0)]
+
+
+def plan_units(inputs: Iterable[str | Path]) -> list[Unit]:
+    """The inputs as work units, in the stable order documents are read."""
+    paths = expand_inputs(inputs)
+    sizes = [p.stat().st_size for p in paths]
+    target = unit_bytes_for(sum(sizes))
+    units: list[Unit] = []
+    small: list[tuple[str, int]] = []
+
+    def flush_small():
+        if small:
+            units.append(Unit("files", tuple(p for p, _ in small), size=sum(n for _, n in small)))
+            small.clear()
+
+    for path, size in zip(paths, sizes):
+        name = path.name
+        if name.endswith(".jsonl") and size > target:
+            flush_small()
+            units.extend(_jsonl_ranges(path, target))
+        elif name.endswith(".parquet") and size > target:
+            flush_small()
+            units.extend(_parquet_groups(path, target))
+        elif name.endswith((".txt", ".html", ".htm")):
+            small.append((str(path), size))
+            if sum(n for _, n in small) >= target:
+                flush_small()
+        else:
+            flush_small()
+            units.append(Unit("whole", (str(path),), size=size))
+    flush_small()
+    return units
+
+
+def read_unit(unit: Unit, stats: ReadStats, text_field: str = "text") -> Iterator[Document]:
+    """The documents of one work unit (what a worker reads by itself)."""
+    if unit.kind == "files":
+        for path in unit.paths:
+            yield from read_file(Path(path), stats, text_field)
+    elif unit.kind == "whole":
+        yield from read_file(Path(unit.paths[0]), stats, text_field)
+    else:
+        yield from read_file(Path(unit.paths[0]), stats, text_field, unit)
 
 
 def check_bad_fraction(stats: ReadStats, max_bad_fraction: float, stage: str) -> None:

@@ -1,5 +1,13 @@
-"""What every data stage shares: an atomic output directory, document parts,
-a process pool over document batches, a progress bar and the stats JSON.
+"""What every data stage shares: work units, an atomic output directory, a
+process pool, a progress bar and the stats JSON.
+
+The input is cut into work units (documents.plan_units: line ranges of big
+jsonl files, row groups of parquet files, whole compressed files, groups of
+small files). Each worker reads its unit itself, processes it and writes its
+own output part, so the main process only plans and collects counts: every
+core works, and nothing funnels through one process. Unit sizes depend only on
+the input size, and part `i` holds unit `i`'s output, so a stage's output is
+byte-identical for any number of workers.
 
 A stage's output directory holds `part-NNNNN.jsonl.zst` (records with id,
 source, text: readable by every stage as input) and `stats.json`. It is built
@@ -7,10 +15,8 @@ under a temporary name next to the destination and renamed into place only
 when complete, so an interrupted stage never leaves a directory that looks
 finished.
 
-Work is spread over processes in batches of documents; results come back in
-input order (`Pool.imap`), so a stage's output is the same for any number of
-workers. The pool uses `spawn`: forking a process that has started JAX or
-tokenizers' threads can deadlock.
+Workers come from a fork server (`_context`): forking this process directly
+could deadlock if it has started JAX or tokenizers' threads.
 """
 
 from __future__ import annotations
@@ -30,12 +36,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shipyard.data.documents import Document, ReadStats, check_bad_fraction, expand_inputs, read_documents
+from shipyard.data.documents import (
+    Document,
+    ReadStats,
+    Unit,
+    check_bad_fraction,
+    expand_inputs,
+    plan_units,
+    read_unit,
+)
 from shipyard.errors import DataError
 
-PART_BYTES = 256 << 20  # uncompressed text per output part
 BATCH_DOCS = 256
 BATCH_BYTES = 4 << 20
+MAX_EXAMPLES = 20
 
 
 def default_workers() -> int:
@@ -55,11 +69,23 @@ class StageStats:
     documents_out: int = 0
     bytes_out: int = 0
     dropped: Counter = field(default_factory=Counter)
+    read: ReadStats = field(default_factory=ReadStats)
     extra: dict = field(default_factory=dict)
     examples: list = field(default_factory=list)
+    max_examples: int = MAX_EXAMPLES
     started: float = field(default_factory=time.time)
 
-    def as_dict(self, read: ReadStats) -> dict:
+    def add(self, r: dict) -> None:
+        """Fold in one unit's result (see document_unit)."""
+        self.documents_in += r["documents_in"]
+        self.bytes_in += r["bytes_in"]
+        self.documents_out += r.get("documents_out", 0)
+        self.bytes_out += r.get("bytes_out", 0)
+        self.dropped.update(r.get("dropped", {}))
+        self.read.merge(r["read"])
+        self.examples.extend(r.get("examples", [])[: self.max_examples - len(self.examples)])
+
+    def as_dict(self) -> dict:
         seconds = time.time() - self.started
         return {
             "stage": self.stage,
@@ -71,8 +97,8 @@ class StageStats:
             "documents_out": self.documents_out,
             "bytes_out": self.bytes_out,
             "dropped": dict(sorted(self.dropped.items())),
-            "bad_records": dict(sorted(read.bad.items())),
-            "bad_examples": read.examples,
+            "bad_records": dict(sorted(self.read.bad.items())),
+            "bad_examples": self.read.examples,
             "examples": self.examples,
             "seconds": round(seconds, 3),
             "mb_per_s": round(self.bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
@@ -115,33 +141,24 @@ def write_json(path: Path, obj) -> None:
 
 
 class DocWriter:
-    """Writes documents as zstd-compressed jsonl parts of about PART_BYTES each."""
+    """Writes documents to one zstd-compressed jsonl file, opened on the first document."""
 
-    def __init__(self, out_dir: Path, part_bytes: int = PART_BYTES):
-        self.out_dir, self.part_bytes = Path(out_dir), part_bytes
-        self.parts: list[str] = []
+    def __init__(self, path: Path):
+        self.path = Path(path)
         self._file = self._writer = None
-        self._bytes = 0
-
-    def _open(self) -> None:
-        import zstandard
-
-        name = f"part-{len(self.parts):05d}.jsonl.zst"
-        self.parts.append(name)
-        self._file = open(self.out_dir / name, "wb")  # noqa: SIM115
-        self._writer = zstandard.ZstdCompressor(level=3).stream_writer(self._file, closefd=False)
-        self._bytes = 0
+        self.written = False
 
     def write(self, doc: Document) -> int:
         """Append one document; returns its text's UTF-8 size."""
-        if self._writer is None or self._bytes >= self.part_bytes:
-            self.close()
-            self._open()
+        if self._writer is None:
+            import zstandard
+
+            self._file = open(self.path, "wb")  # noqa: SIM115
+            self._writer = zstandard.ZstdCompressor(level=3).stream_writer(self._file, closefd=False)
+            self.written = True
         line = json.dumps({"id": doc.id, "source": doc.source, "text": doc.text}, ensure_ascii=False) + "\n"
         self._writer.write(line.encode("utf-8"))
-        n = len(doc.text.encode("utf-8"))
-        self._bytes += n
-        return n
+        return len(doc.text.encode("utf-8"))
 
     def close(self) -> None:
         if self._writer is not None:
@@ -167,17 +184,15 @@ def batches(docs: Iterable[Document], max_docs: int = BATCH_DOCS, max_bytes: int
 def pool_map(
     fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None, initargs: tuple = ()
 ) -> Iterator:
-    """fn over items in input order: in-process for one worker, else a spawn process pool."""
+    """fn over items in input order: in-process for one worker, else a process pool (see _context)."""
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, items)
         return
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
-        # Not Pool.imap: its feeder thread drains the input as fast as it can,
-        # which would pull a whole corpus into memory. Two batches per worker
-        # in flight keep every worker busy with bounded memory.
+    with _context().Pool(workers, initializer=initializer, initargs=initargs) as pool:
+        # Not Pool.imap: its feeder thread drains the input as fast as it can.
+        # Two items per worker in flight keep every worker busy with bounded memory.
         inflight: deque = deque()
         for item in items:
             inflight.append(pool.apply_async(fn, (item,)))
@@ -187,41 +202,99 @@ def pool_map(
             yield inflight.popleft().get()
 
 
-def known_document_count(inputs: Iterable[str | Path]) -> int | None:
-    """Total documents when every input is a stage output with stats.json, else None (no ETA then)."""
-    total = 0
-    for item in inputs:
-        stats = Path(item) / "stats.json"
-        if not stats.is_file():
-            return None
-        try:
-            total += int(json.loads(stats.read_text())["documents_out"])
-        except (ValueError, KeyError, TypeError):
-            return None
-    return total
+# Imported once by the fork server; each pool's workers are then forked from it
+# in milliseconds instead of paying ~0.5 s of imports per pool (per stage).
+_PRELOAD = [
+    "shipyard.data.stage",
+    "shipyard.data.extract",
+    "shipyard.data.filters",
+    "shipyard.data.dedup",
+    "shipyard.data.decontaminate",
+    "shipyard.data.tokenize",
+]
 
 
-def progress(stage: str, inputs: Iterable[str | Path]) -> tqdm:
-    """A documents progress bar with rate, ETA when the count is known, and MB/s."""
+def _context():
+    """forkserver where the platform has it (a fresh server process: safe even when this one runs
+    JAX or tokenizers threads, which plain fork is not), else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def progress(stage: str, total_bytes: int) -> tqdm:
+    """A bar over input bytes (rate in MB/s, ETA), shown when stderr is a terminal."""
     return tqdm(
-        total=known_document_count(inputs),
+        total=total_bytes,
         desc=stage,
-        unit="doc",
+        unit="B",
         unit_scale=True,
+        unit_divisor=1000,
         dynamic_ncols=True,
         disable=None if sys.stderr.isatty() else True,
         mininterval=0.5,
     )
 
 
-def read_inputs(inputs: list[str], text_field: str) -> tuple[ReadStats, Iterator[Document]]:
-    """Validate the input paths now (a missing one fails before any work) and stream their documents."""
+def plan(inputs: list[str]) -> list[Unit]:
+    """Validate the input paths now (a missing one fails before any work) and cut them into units."""
     if not inputs:
         raise DataError("no inputs given (expected files or directories of documents)")
     if not expand_inputs(inputs):
         raise DataError(f"inputs {', '.join(inputs)}: no readable document files found")
+    return plan_units(inputs)
+
+
+def run_units(
+    stage: str,
+    units: list[Unit],
+    fn: Callable,
+    items: Iterable,
+    workers: int,
+    initializer: Callable | None = None,
+    initargs: tuple = (),
+) -> Iterator:
+    """fn over per-unit items with a progress bar advanced by each unit's input size."""
+    with progress(stage, sum(u.size for u in units)) as bar:
+        for unit, result in zip(units, pool_map(fn, items, workers, initializer, initargs)):
+            bar.update(unit.size)
+            yield result
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}.jsonl.zst"
+
+
+def document_unit(item: tuple) -> dict:
+    """Worker: read one unit, run the stage's batch function, write the kept documents as part `index`."""
+    index, unit, out_dir, text_field, batch_fn = item
     read = ReadStats()
-    return read, read_documents(inputs, read, text_field)
+    writer = DocWriter(Path(out_dir) / part_name(index))
+    r = {
+        "documents_in": 0,
+        "bytes_in": 0,
+        "documents_out": 0,
+        "bytes_out": 0,
+        "dropped": Counter(),
+        "examples": [],
+    }
+    try:
+        for batch in batches(read_unit(unit, read, text_field)):
+            kept, drops, examples = batch_fn(batch)
+            r["documents_in"] += len(batch)
+            r["dropped"].update(drops)
+            r["examples"].extend(examples)  # each batch bounds its own; StageStats keeps the first few
+            for doc in kept:
+                r["bytes_out"] += writer.write(doc)
+            r["documents_out"] += len(kept)
+    finally:
+        writer.close()
+    r["bytes_in"] = read.bytes
+    r["read"] = read
+    r["part"] = part_name(index) if writer.written else None
+    return r
 
 
 def run_document_stage(
@@ -237,52 +310,30 @@ def run_document_stage(
     overwrite: bool,
     initializer: Callable | None = None,
     initargs: tuple = (),
-    max_examples: int = 20,
+    max_examples: int = MAX_EXAMPLES,
     postprocess: Callable[[dict], None] | None = None,
 ) -> dict:
     """Documents in, a subset (possibly transformed) out.
 
     `worker` maps a batch to (kept documents, drop counts by reason, examples
-    worth showing a person); `postprocess` may add to the stats before they
+    worth showing a person); it runs in the worker processes, configured by
+    `initializer(*initargs)`. `postprocess` may add to the stats before they
     are written.
     """
     inputs = [str(p) for p in inputs]
-    read, docs = read_inputs(inputs, text_field)
-    stats = StageStats(stage, inputs, config, workers)
+    units = plan(inputs)
+    stats = StageStats(stage, inputs, config, workers, max_examples=max_examples)
     with stage_output(out, overwrite, stage) as tmp:
-        writer = DocWriter(tmp)
-        bar = progress(stage, inputs)
-        try:
-            for batch_in, (kept, drops, examples) in zip_in_out(docs, worker, workers, initializer, initargs):
-                stats.examples.extend(examples[: max_examples - len(stats.examples)])
-                stats.documents_in += len(batch_in)
-                stats.bytes_in += sum(len(d.text.encode("utf-8")) for d in batch_in)
-                stats.dropped.update(drops)
-                for doc in kept:
-                    stats.bytes_out += writer.write(doc)
-                stats.documents_out += len(kept)
-                bar.update(len(batch_in))
-                bar.set_postfix(kept=f"{stats.documents_out / max(stats.documents_in, 1):.0%}", refresh=False)
-        finally:
-            writer.close()
-            bar.close()
-        check_bad_fraction(read, max_bad_fraction, f"data {stage}")
-        result = stats.as_dict(read)
-        result["parts"] = writer.parts
+        items = ((i, u, str(tmp), text_field, worker) for i, u in enumerate(units))
+        parts = []
+        for r in run_units(stage, units, document_unit, items, workers, initializer, initargs):
+            stats.add(r)
+            if r["part"]:
+                parts.append(r["part"])
+        check_bad_fraction(stats.read, max_bad_fraction, f"data {stage}")
+        result = stats.as_dict()
+        result["parts"] = parts
         if postprocess is not None:
             postprocess(result)
         write_json(tmp / "stats.json", result)
     return result
-
-
-def zip_in_out(docs, worker, workers, initializer, initargs):
-    """Pairs (input batch, worker result), keeping only a bounded number of batches alive."""
-    pending: deque[list[Document]] = deque()
-
-    def feed():
-        for batch in batches(docs):
-            pending.append(batch)
-            yield batch
-
-    for result in pool_map(worker, feed(), workers, initializer, initargs):
-        yield pending.popleft(), result

@@ -18,18 +18,9 @@ import numpy as np
 
 from shipyard import __version__
 from shipyard.data.configs import ReadConfig, TokenizeConfig
-from shipyard.data.documents import ReadStats, check_bad_fraction
+from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
-from shipyard.data.stage import (
-    StageStats,
-    batches,
-    config_record,
-    pool_map,
-    progress,
-    read_inputs,
-    stage_output,
-    write_json,
-)
+from shipyard.data.stage import StageStats, batches, config_record, plan, run_units, stage_output, write_json
 from shipyard.data.tokenizer import (
     TOKENIZER_FILE,
     load_tokenizer,
@@ -49,18 +40,25 @@ def _init(tokenizer_path: str, prefix: list[int], eos_id: int, dtype: str, singl
     _STATE.update(tok=load_tokenizer(tokenizer_path), prefix=prefix, eos=eos_id, dtype=np.dtype(dtype))
 
 
-def encode_batch(item: tuple[int, list[str]]) -> tuple[int, np.ndarray, np.ndarray]:
-    """(source index, texts) → (source index, all tokens with EOS after each document, tokens per document)."""
-    source, texts = item
+def encode_unit(item: tuple) -> dict:
+    """Worker: read one unit and encode it: all tokens (EOS after each document) and tokens per document."""
+    unit, text_field, batch_documents = item
     tok, prefix, eos, dtype = _STATE["tok"], _STATE["prefix"], _STATE["eos"], _STATE["dtype"]
-    encodings = tok.encode_batch(texts, add_special_tokens=False)
-    pieces, lengths = [], np.empty(len(texts), np.int64)
-    for i, enc in enumerate(encodings):
-        ids = [*prefix, *enc.ids, eos]
-        pieces.append(np.asarray(ids, dtype=dtype))
-        lengths[i] = len(ids)
+    read = ReadStats()
+    pieces, lengths = [], []
+    for batch in batches(read_unit(unit, read, text_field), max_docs=batch_documents):
+        for enc in tok.encode_batch([d.text for d in batch], add_special_tokens=False):
+            ids = [*prefix, *enc.ids, eos]
+            pieces.append(np.asarray(ids, dtype=dtype))
+            lengths.append(len(ids))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
-    return source, tokens, lengths
+    return {
+        "tokens": tokens,
+        "lengths": np.asarray(lengths, np.int64),
+        "read": read,
+        "documents_in": read.documents,
+        "bytes_in": read.bytes,
+    }
 
 
 def encode_document(tok, text: str, eos_id: int, bos_id: int | None = None) -> list[int]:
@@ -92,47 +90,32 @@ def run_tokenize(
         raise DataError(f"data tokenize: add_bos is set but tokenizer {tokenizer_path} has no BOS token")
     config = config_record(read, tokenize=cfg, tokenizer=tokenizer_record(tokenizer_path))
     stats = StageStats("tokenize", inputs, config, workers)
+    # units of each input, tagged with it, so the manifest can count per source
+    tagged = [(src, u) for src in inputs for u in plan([src])]
+    units = [u for _, u in tagged]
     per_source = {src: {"documents": 0, "tokens": 0, "bytes": 0} for src in inputs}
-    read_all = []
-
-    def work():
-        # Inputs one after another, each tagged, so the manifest can count per source.
-        for index, src in enumerate(inputs):
-            read_stats, docs = read_inputs([src], read.text_field)
-            read_all.append(read_stats)
-            for batch in batches(docs, max_docs=cfg.batch_documents):
-                texts = [d.text for d in batch]
-                nbytes = sum(len(t.encode("utf-8")) for t in texts)
-                stats.bytes_in += nbytes
-                per_source[src]["bytes"] += nbytes
-                yield index, texts
-
     with stage_output(out, overwrite, "tokenize") as tmp:
         writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
         single = workers > 1  # one worker runs in this process and may use tokenizers' own threads
-        with progress("tokenize", inputs) as bar:
-            for index, tokens, lengths in pool_map(
-                encode_batch,
-                work(),
-                workers,
-                _init,
-                (str(tokenizer_path), prefix, ids["eos_token"], dtype.str, single),
-            ):
-                # whole documents go to a shard; split the batch where a shard fills up
-                ends = np.cumsum(lengths)
-                start = 0
-                for count in _split_at_shard_boundaries(lengths, writer.room, cfg.shard_tokens):
-                    lo = int(ends[start - 1]) if start else 0
-                    writer.write(tokens[lo : int(ends[start + count - 1])], count)
-                    start += count
-                src = inputs[index]
-                per_source[src]["documents"] += len(lengths)
-                per_source[src]["tokens"] += int(lengths.sum())
-                stats.documents_in += len(lengths)
-                bar.update(len(lengths))
+        items = ((u, read.text_field, cfg.batch_documents) for u in units)
+        init = (str(tokenizer_path), prefix, ids["eos_token"], dtype.str, single)
+        for (src, _), r in zip(
+            tagged, run_units("tokenize", units, encode_unit, items, workers, _init, init)
+        ):
+            stats.add(r)
+            lengths = r["lengths"]
+            # whole documents go to a shard; split where a shard fills up
+            ends = np.cumsum(lengths)
+            start = 0
+            for count in _split_at_shard_boundaries(lengths, writer.room, cfg.shard_tokens):
+                lo = int(ends[start - 1]) if start else 0
+                writer.write(r["tokens"][lo : int(ends[start + count - 1])], count)
+                start += count
+            per_source[src]["documents"] += len(lengths)
+            per_source[src]["tokens"] += int(lengths.sum())
+            per_source[src]["bytes"] += r["bytes_in"]
         shards = writer.close()
-        merged = _merge(read_all)
-        check_bad_fraction(merged, read.max_bad_fraction, "data tokenize")
+        check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenize")
         shutil.copy(
             tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path,
             tmp / TOKENIZER_FILE,
@@ -165,7 +148,7 @@ def run_tokenize(
         write_json(tmp / MANIFEST, manifest)
         stats.documents_out = manifest["documents"]
         stats.bytes_out = sum((tmp / s["file"]).stat().st_size for s in shards)
-        result = stats.as_dict(merged)
+        result = stats.as_dict()
         result.update(
             tokens=total_tokens,
             shards=len(shards),
@@ -173,17 +156,6 @@ def run_tokenize(
         )
         write_json(tmp / "stats.json", result)
     return result
-
-
-def _merge(all_stats: list[ReadStats]) -> ReadStats:
-    merged = ReadStats()
-    for s in all_stats:
-        merged.documents += s.documents
-        merged.bytes += s.bytes
-        for k, v in s.bad.items():
-            merged.bad[k] = merged.bad.get(k, 0) + v
-        merged.examples.extend(s.examples[: 20 - len(merged.examples)])
-    return merged
 
 
 def _split_at_shard_boundaries(lengths: np.ndarray, room: int, shard_tokens: int):

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
-from shipyard.data.documents import Document, check_bad_fraction
-from shipyard.data.stage import StageStats, config_record, progress, read_inputs, stage_output, write_json
+from shipyard.data.documents import Document, check_bad_fraction, read_unit
+from shipyard.data.stage import StageStats, config_record, plan, progress, stage_output, write_json
 from shipyard.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -154,7 +154,7 @@ def run_tokenizer_train(
     so this stage needs no process pool of its own.
     """
     inputs = [str(p) for p in inputs]
-    read_stats, docs = read_inputs(inputs, read.text_field)
+    units = plan(inputs)
     stats = StageStats(
         "tokenizer-train",
         inputs,
@@ -163,14 +163,16 @@ def run_tokenizer_train(
     )
     with stage_output(out, overwrite, "tokenizer-train") as tmp:
         tok, trainer = new_bpe(cfg)
-        with progress("tokenizer-train", inputs) as bar:
+        docs = (d for u in units for d in read_unit(u, stats.read, read.text_field))
+        # the bar counts text bytes read, against the input's size on disk (about equal for plain jsonl)
+        with progress("tokenizer-train", sum(u.size for u in units)) as bar:
             tok.train_from_iterator(sample_texts(docs, cfg, stats, bar), trainer)
-        check_bad_fraction(read_stats, read.max_bad_fraction, "data tokenizer-train")
+        check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenizer-train")
         if stats.documents_out == 0:
             raise DataError(f"data tokenizer-train: inputs {', '.join(inputs)} hold no documents to train on")
         tok.save(str(tmp / TOKENIZER_FILE))
         write_json(tmp / "tokenizer_config.json", hf_tokenizer_config(cfg))
-        result = stats.as_dict(read_stats)
+        result = stats.as_dict()
         result["vocab_size"] = tok.get_vocab_size()
         result["tokenizer_sha256"] = tokenizer_sha256(tmp / TOKENIZER_FILE)
         write_json(tmp / "stats.json", result)
