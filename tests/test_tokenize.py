@@ -112,3 +112,16 @@ def test_bad_tokenizer_path_is_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(DataError, match="not a valid tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_tokenizer_sample_is_reproducible_and_bounded(corpus, tmp_path):
+    path, texts = corpus
+    cfg = TokenizerTrainConfig(vocab_size=400, sample_fraction=0.5)
+    a = run_tokenizer_train([str(path)], tmp_path / "a", cfg, ReadConfig())
+    b = run_tokenizer_train([str(path)], tmp_path / "b", cfg, ReadConfig())
+    assert a["tokenizer_sha256"] == b["tokenizer_sha256"]  # same sample, same merges
+    assert 0.25 * len(texts) < a["documents_out"] < 0.75 * len(texts)
+    capped = run_tokenizer_train(
+        [str(path)], tmp_path / "c", TokenizerTrainConfig(vocab_size=400, sample_bytes=20_000), ReadConfig()
+    )
+    assert capped["bytes_out"] <= 20_000 and capped["documents_out"] < len(texts)

@@ -159,7 +159,7 @@ class TokenizerTrainConfig(Schema):
     pad_token: str | None = "<|pad|>"
     """Padding token, or null for none."""
     sample_bytes: int | None = Field(200_000_000, gt=0)
-    """Train on at most this many bytes of text (documents sampled evenly by id hash beyond it); null uses all."""
+    """Train on at most this many bytes of text: documents in input order (after sample_fraction) until the next would exceed it; null uses all. Combine with sample_fraction to spread the sample over a large corpus."""
     sample_fraction: float = Field(1.0, gt=0, le=1)
     """Keep each document with this probability (decided by a hash of its id, so the sample is reproducible)."""
 
