@@ -33,7 +33,7 @@ def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from shipyard.train.trainer import train
 
-    train(cfg, run_dir=args.run_dir, overwrite=args.overwrite, debug_nans=args.debug_nans)
+    train(cfg, run_dir=args.run_dir, overwrite=args.overwrite, resume=args.resume, debug_nans=args.debug_nans)
     return 0
 
 
@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", type=Path, default=None, help="run directory (default: run.out_dir/run.name)"
     )
     tr.add_argument("--overwrite", action="store_true", help="replace an existing run in the run directory")
+    tr.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the run directory from its newest usable checkpoint (start it if there is none)",
+    )
     tr.add_argument(
         "--debug-nans",
         action="store_true",

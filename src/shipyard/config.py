@@ -110,13 +110,38 @@ class ModelConfig(Schema):
         return self
 
 
+class MixtureComponent(Schema):
+    """One weighted source of training sequences."""
+
+    path: str
+    """A token-shard directory (from `shipyard data tokenize`) or a 1-D .npy of token ids."""
+    weight: float = Field(gt=0)
+    """Relative share of training sequences drawn from this source (weights are normalised)."""
+
+
 class DataConfig(Schema):
     """Where training tokens come from and how sequences are cut."""
 
     train_tokens: str | None = None
     """A token-shard directory (from `shipyard data tokenize` / `data prepare`) or a 1-D .npy of token ids (from `shipyard data bytes`)."""
+    mixture: tuple[MixtureComponent, ...] = ()
+    """Several weighted sources instead of train_tokens, e.g. [{path: dclm, weight: 0.926}, {path: code, weight: 0.061}, ...]."""
+    validation_tokens: str | None = None
+    """Held-out tokens (shard directory or .npy) for the in-loop evaluation (train.eval_every)."""
     seq_len: int = Field(gt=0)
     """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if self.train_tokens is not None and self.mixture:
+            raise ValueError("mixture: set either train_tokens or mixture, not both")
+        return self
+
+    def sources(self) -> tuple[list[str], list[float]]:
+        """(paths, weights) of the training sources."""
+        if self.mixture:
+            return [c.path for c in self.mixture], [c.weight for c in self.mixture]
+        return ([self.train_tokens] if self.train_tokens is not None else []), [1.0]
 
 
 class OptimizerConfig(Schema):
@@ -191,7 +216,9 @@ class CheckpointConfig(Schema):
     save_final: bool = True
     """Also save after the last step."""
     keep: int | None = Field(3, gt=0)
-    """Keep only the newest this many checkpoints; null keeps all."""
+    """Keep only the newest this many checkpoints (plus the permanent ones); null keeps all."""
+    keep_every: int | None = Field(None, gt=0)
+    """Also keep every checkpoint whose step is a multiple of this, permanently; null keeps none beyond `keep`."""
 
 
 class TrainConfig(Schema):
@@ -219,6 +246,10 @@ class TrainConfig(Schema):
     """Metrics and progress display."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoint saving."""
+    eval_every: int | None = Field(None, gt=0)
+    """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
+    eval_batches: int = Field(4, gt=0)
+    """Batches of global_batch_size sequences in each evaluation (the same held-out sequences every time)."""
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:
@@ -275,6 +306,14 @@ class Config(Schema):
     """Optimisation loop."""
     mesh: MeshConfig = MeshConfig()
     """Device mesh."""
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> Config:
+        if self.train.eval_every is not None and self.data.validation_tokens is None:
+            raise ValueError(
+                "train.eval_every: set data.validation_tokens to evaluate on, or leave eval_every null"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_lengths(self) -> Config:

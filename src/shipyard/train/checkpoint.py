@@ -1,47 +1,160 @@
-"""Saving the train state with Orbax into <run>/checkpoints/<step>.
+"""Saving and restoring the train state with Orbax in <run>/checkpoints/<step>.
 
-Orbax writes each checkpoint under a temporary name and marks it complete
-only at the end, so an interrupted save never looks like a finished one. Saves
-are asynchronous: `save` returns once the arrays are copied to host memory
-(so the donated state may be reused by the next step) and the files are
-written in the background. Restoring, resume and fallback to an older
-checkpoint belong to the loader/checkpoint work built on this module.
+Orbax writes each checkpoint under a temporary name and renames it when
+complete, so an interrupted save (a SIGKILL mid-write) never looks finished;
+such leftovers are ignored. Saves are asynchronous: `save` returns once the
+arrays are copied to host memory and the files are written in the background.
+
+Once a save has finished, a background thread records the sha256 of every
+file in `<step>.sha256.json` next to it. On resume, checkpoints are tried
+newest first: one whose files no longer match (truncated, corrupted) or that
+fails to load is reported and skipped, and the previous complete one is used.
+
+Restoring is against the abstract state (shapes, dtypes and shardings) of the
+*current* mesh, so a checkpoint saved with fsdp=8 on 8 devices restores onto 4
+devices or 1: Orbax reads each shard's slice for the new layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
 from shipyard.config import CheckpointConfig
+from shipyard.errors import RunDirError
+
+SIDECAR = ".sha256.json"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return (Path(run_dir) / "checkpoints").absolute()
+
+
+def _file_hashes(step_dir: Path) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(step_dir):
+        for name in sorted(files):
+            path = Path(root) / name
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            out[path.relative_to(step_dir).as_posix()] = h.hexdigest()
+    return out
+
+
+def _sidecar(directory: Path, step: int) -> Path:
+    return directory / f"{step}{SIDECAR}"
+
+
+def write_checksums(directory: Path, step: int) -> None:
+    """Hash a finished checkpoint's files into <step>.sha256.json (written atomically)."""
+    step_dir = directory / str(step)
+    if not step_dir.is_dir():
+        return
+    tmp = _sidecar(directory, step).with_suffix(".tmp")
+    tmp.write_text(json.dumps(_file_hashes(step_dir), indent=1))
+    os.replace(tmp, _sidecar(directory, step))
+
+
+def verify_checksums(directory: Path, step: int) -> str | None:
+    """None when checkpoint `step` matches its recorded hashes (or has none yet), else what is wrong."""
+    sidecar = _sidecar(directory, step)
+    if not sidecar.is_file():
+        return None
+    try:
+        recorded = json.loads(sidecar.read_text())
+    except json.JSONDecodeError:
+        return f"its checksum file {sidecar.name} is unreadable"
+    actual = _file_hashes(directory / str(step))
+    for name, digest in recorded.items():
+        if name not in actual:
+            return f"file {name} is missing"
+        if actual[name] != digest:
+            return f"file {name} does not match its recorded sha256 (truncated or corrupted)"
+    return None
 
 
 class Checkpointer:
-    """Decides when to save and saves; one per training run."""
+    """Decides when to save, saves asynchronously, and hashes finished saves; one per run."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, total_steps: int):
         self.cfg = cfg
         self.total_steps = total_steps
-        self.directory = (run_dir / "checkpoints").absolute()
+        self.directory = checkpoint_dir(run_dir)
         self._manager: ocp.CheckpointManager | None = None
+        self._unhashed: list[int] = []
+        self._hasher: threading.Thread | None = None
 
     def wants(self, step: int) -> bool:
         """Whether to save the state reached after `step` optimizer steps."""
         periodic = self.cfg.every is not None and step % self.cfg.every == 0
         return periodic or (self.cfg.save_final and step == self.total_steps)
 
-    def save(self, step: int, state) -> None:
+    def _get_manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
-            options = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.keep, enable_async_checkpointing=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.cfg.keep,
+                keep_period=self.cfg.keep_every,
+                enable_async_checkpointing=True,
+            )
             self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self._manager.save(step, args=ocp.args.StandardSave(state))
+        return self._manager
+
+    def save(self, step: int, state, wait: bool = False) -> None:
+        manager = self._get_manager()
+        if step in manager.all_steps():  # e.g. a SIGTERM right after a periodic save
+            return
+        manager.save(step, args=ocp.args.StandardSave(state))
+        self._unhashed.append(step)
+        if wait:
+            manager.wait_until_finished()
+        self.poll()
+
+    def poll(self) -> None:
+        """Start hashing saves that have finished (cheap to call every step)."""
+        if not self._unhashed or self._manager is None or self._manager.is_saving_in_progress():
+            return
+        if self._hasher is not None and self._hasher.is_alive():
+            return
+        steps, self._unhashed = self._unhashed, []
+        kept = set(self._manager.all_steps())
+
+        def work():
+            for step in steps:
+                if step in kept:
+                    write_checksums(self.directory, step)
+            # sidecars of checkpoints Orbax has garbage-collected go too
+            for sidecar in self.directory.glob(f"*{SIDECAR}"):
+                stem = sidecar.name[: -len(SIDECAR)]
+                if stem.isdigit() and not (self.directory / stem).is_dir():
+                    sidecar.unlink(missing_ok=True)
+
+        self._hasher = threading.Thread(target=work, daemon=True)
+        self._hasher.start()
 
     def close(self) -> None:
-        """Wait for pending writes to finish."""
+        """Wait for pending writes and their checksums."""
         if self._manager is not None:
             self._manager.wait_until_finished()
+            self.poll()
+            if self._hasher is not None:
+                self._hasher.join()
             self._manager.close()
+
+
+def available_steps(directory: Path) -> list[int]:
+    """Complete checkpoints (Orbax-finalised step directories), newest first."""
+    if not directory.is_dir():
+        return []
+    with ocp.CheckpointManager(directory) as manager:
+        return sorted(manager.all_steps(), reverse=True)
 
 
 def restore(directory: Path, step: int, abstract_state):
@@ -52,3 +165,23 @@ def restore(directory: Path, step: int, abstract_state):
     """
     with ocp.CheckpointManager(Path(directory).absolute()) as manager:
         return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+
+def restore_latest(directory: Path, abstract_state, say: Callable[[str], None] = print):
+    """(step, state) from the newest checkpoint that verifies and loads; older ones on failure, saying why."""
+    steps = available_steps(directory)
+    if not steps:
+        raise RunDirError(f"--resume: no complete checkpoint in {directory} (the run saved none yet)")
+    for step in steps:
+        problem = verify_checksums(directory, step)
+        if problem is None:
+            try:
+                return step, restore(directory, step, abstract_state)
+            except Exception as e:  # orbax/tensorstore raise many types for unreadable data
+                problem = f"it does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        older = [s for s in steps if s < step]
+        fallback = (
+            f"falling back to checkpoint {older[0]}" if older else "no older checkpoint to fall back to"
+        )
+        say(f"shipyard: checkpoint {step} in {directory} is unusable: {problem}; {fallback}")
+    raise RunDirError(f"--resume: no usable checkpoint in {directory} (all {len(steps)} failed; see above)")

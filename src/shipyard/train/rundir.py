@@ -43,17 +43,64 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
     if existing and not overwrite:
         raise RunDirError(
             f"run directory {run_dir} already holds a run ({', '.join(existing)}); "
-            "choose another run.name / --run-dir, or pass --overwrite to replace it"
+            "pass --resume to continue it, --overwrite to replace it, or choose another run.name / --run-dir"
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for name in existing:
             (run_dir / name).unlink()
-        for sub in ("plots",):
+        for sub in ("plots", "checkpoints"):
             if overwrite and (run_dir / sub).is_dir():
                 shutil.rmtree(run_dir / sub)
     except OSError as e:
         raise RunDirError(f"run directory {run_dir}: cannot prepare it ({e.strerror})") from e
+
+
+def check_resumable(run_dir: Path, cfg: Config) -> None:
+    """Refuse to resume a run whose saved model differs from `cfg.model`, naming the first difference."""
+    import yaml
+
+    saved = run_dir / "config.yaml"
+    try:
+        old = yaml.safe_load(saved.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise RunDirError(f"--resume: cannot read {saved} to check the model ({e})") from e
+    old_model, new_model = old.get("model") or {}, cfg.model.model_dump(mode="json")
+    for key in new_model:
+        if old_model.get(key) != new_model[key]:
+            raise RunDirError(
+                f"--resume: the checkpoints in {run_dir} are of another model (model.{key}: "
+                f"{old_model.get(key)!r} there, {new_model[key]!r} in this config); use the run's config, "
+                "or train this one in a new run directory"
+            )
+
+
+def truncate_metrics(path: Path, next_step: int) -> None:
+    """Drop metrics of steps at or after `next_step` (logged by a run killed after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] < next_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            break  # a torn last line from a kill mid-write
+    write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def record_resume(run_dir: Path, step: int) -> None:
+    """Append this resume (step, host, time, devices) to provenance.json."""
+    path = run_dir / "provenance.json"
+    try:
+        prov = json.loads(path.read_text())
+    except (OSError, ValueError):
+        prov = {}
+    now = provenance({})
+    prov.setdefault("resumes", []).append(
+        {k: now[k] for k in ("start_time", "host", "devices") if k in now} | {"from_step": step}
+    )
+    write_atomic(path, json.dumps(prov, indent=2) + "\n")
 
 
 def _git_commit() -> str | None:

@@ -177,3 +177,15 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
         return new_state, metrics
 
     return step
+
+
+def make_eval_step(cfg: Config):
+    """`eval_step(params, tokens) -> (sum of token losses, token count)`: forward only, compute dtype."""
+    compute = jnp.dtype(cfg.train.precision.compute_dtype)
+
+    def eval_step(params, tokens):
+        p = jax.tree.map(lambda x: x.astype(compute), params)
+        sums = loss_sums(logits(p, tokens[:, :-1], cfg.model), tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
+        return sums.ce, sums.tokens
+
+    return eval_step

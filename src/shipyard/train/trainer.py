@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -11,17 +13,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from shipyard.config import Config
-from shipyard.data.tokens import batch_at, load_tokens, tokens_sha256
+from shipyard.config import Config, to_yaml
+from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
+from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_params, param_specs
 from shipyard.parallel.mesh import DEFAULT_RULES, logical_to_pspec, make_mesh
-from shipyard.train.checkpoint import Checkpointer
+from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from shipyard.train.optim import build_optimizer
-from shipyard.train.rundir import prepare_run_dir, write_run_header
-from shipyard.train.step import init_state, make_train_step
+from shipyard.train.rundir import (
+    check_resumable,
+    prepare_run_dir,
+    record_resume,
+    truncate_metrics,
+    write_atomic,
+    write_run_header,
+)
+from shipyard.train.step import init_state, make_eval_step, make_train_step
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -33,30 +43,78 @@ def _host_metrics(m: dict) -> dict:
 
 
 def train(
-    cfg: Config, *, run_dir: Path | None = None, overwrite: bool = False, debug_nans: bool = False
+    cfg: Config,
+    *,
+    run_dir: Path | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    debug_nans: bool = False,
 ) -> Path:
-    """Train `cfg` for `train.steps` steps; returns the run directory.
+    """Train `cfg` up to `train.steps` steps; returns the run directory.
 
-    `debug_nans` turns on JAX's NaN *and* Inf checking for this run: the first
-    operation that produces either raises FloatingPointError naming it (an
-    overflow to inf usually comes a step before the NaN it turns into).
+    `resume` continues from the newest usable checkpoint in the run directory
+    (or starts the run when there is none). `debug_nans` turns on JAX's NaN
+    *and* Inf checking for this run: the first operation that produces either
+    raises FloatingPointError naming it.
     """
     if not debug_nans:
-        return _train(cfg, run_dir, overwrite)
+        return _train(cfg, run_dir, overwrite, resume)
     with jax.debug_nans(True), jax.debug_infs(True):
-        return _train(cfg, run_dir, overwrite)
+        return _train(cfg, run_dir, overwrite, resume)
 
 
-def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
-    if cfg.data.train_tokens is None:
+def _abstract_state(cfg: Config, specs, shardings, optimizer):
+    """The train state's shapes, dtypes and shardings on this mesh, without allocating it
+    (what a checkpoint is restored into; the shardings are the ones a fresh init produces)."""
+    key = jax.random.key(cfg.train.seed)
+
+    def make():
+        return init_state(cfg, init_params(specs, key, shardings), optimizer)
+
+    shapes = jax.eval_shape(make)
+    out_shardings = jax.jit(make).lower().compile().output_shardings
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_shardings
+    )
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT ask the loop to checkpoint at the next step boundary and exit cleanly."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> Path:
+    paths, weights = cfg.data.sources()
+    if not paths:
         raise ConfigError(
             "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
-            "or `data prepare`) or a 1-D .npy of token ids (e.g. from `shipyard data bytes`)"
+            "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), or data.mixture"
         )
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
-    tokens = load_tokens(cfg.data.train_tokens, cfg.model.vocab_size, cfg.data.seq_len)
-    mesh = make_mesh(cfg.mesh)
     batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
+    loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
+    val = None
+    if cfg.train.eval_every is not None:
+        val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
+    mesh = make_mesh(cfg.mesh)
     batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, DEFAULT_RULES)
     if math.prod(mesh.shape[a] for a in DEFAULT_RULES["batch"]) > 1 and batch_spec[0] is None:
         raise ConfigError(
@@ -64,24 +122,43 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
             "data-parallel devices; choose a multiple"
         )
 
-    prepare_run_dir(run_dir, overwrite)
-    inputs = {
-        "train_tokens": {"path": str(cfg.data.train_tokens), "sha256": tokens_sha256(cfg.data.train_tokens)}
-    }
-    write_run_header(run_dir, cfg, inputs)
+    ckpt_dir = checkpoint_dir(run_dir)
+    resuming = resume and bool(available_steps(ckpt_dir))
+    if resuming:
+        check_resumable(run_dir, cfg)
+    else:
+        if resume and (run_dir / "config.yaml").exists():
+            print(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
+        prepare_run_dir(run_dir, overwrite or resume)
+        names = [f"mixture[{i}]" for i in range(len(paths))] if cfg.data.mixture else ["train_tokens"]
+        inputs = {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, paths)}
+        write_run_header(run_dir, cfg, inputs)
     specs = param_specs(cfg.model)
     shardings = param_shardings(specs, mesh, DEFAULT_RULES)
     optimizer = build_optimizer(cfg.train, specs)
-    params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
-    state = init_state(cfg, params, optimizer)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    state_shardings = None
+    start = 0
+    if resuming:
+        abstract = _abstract_state(cfg, specs, shardings, optimizer)
+        state_shardings = jax.tree.map(lambda a: a.sharding, abstract)
+        start, state = restore_latest(ckpt_dir, abstract)
+        truncate_metrics(run_dir / "metrics.jsonl", start)
+        record_resume(run_dir, start)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        print(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}", flush=True)
+    else:
+        params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
+        state = init_state(cfg, params, optimizer)
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding = NamedSharding(mesh, batch_spec)
+    mask_sharding = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
     step_fn = jax.jit(
         make_train_step(cfg, optimizer),
         in_shardings=(state_shardings, {"tokens": batch_sharding, "loss_mask": batch_sharding}),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
+    eval_fn = jax.jit(make_eval_step(cfg), in_shardings=(state_shardings.params, batch_sharding))
 
     devices = list(mesh.devices.flat)
     peak = peak_flops(cfg.train.logging.peak_flops_per_device, devices)
@@ -92,25 +169,31 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
         f"mesh {dict(mesh.shape)}, run dir {run_dir}",
         flush=True,
     )
+    loss_mask = jax.device_put(np.ones((batch_size, seq_len), np.float32), mask_sharding)
 
-    def make_batch(step: int) -> dict:
-        windows = batch_at(tokens, step, cfg.train.seed, batch_size, seq_len)
-        mask = np.ones((batch_size, seq_len), np.float32)
-        return {
-            "tokens": jax.device_put(windows, batch_sharding),
-            "loss_mask": jax.device_put(mask, NamedSharding(mesh, PartitionSpec(batch_spec[0], None))),
-        }
+    def evaluate(params) -> tuple:
+        """Sums over the same held-out sequences every time (the first eval_batches * B)."""
+        out = []
+        for b in range(cfg.train.eval_batches):
+            rows = [val[(b * batch_size + r) % len(val)] for r in range(batch_size)]
+            out.append(eval_fn(params, jax.device_put(np.stack(rows), batch_sharding)))
+        return out
 
     log = cfg.train.logging
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     bar = tqdm(
-        total=cfg.train.steps, unit="step", disable=not log.progress, mininterval=0.5, dynamic_ncols=True
+        total=cfg.train.steps,
+        initial=start,
+        unit="step",
+        disable=not log.progress,
+        mininterval=0.5,
+        dynamic_ncols=True,
     )
-    pending: tuple[int, dict] | None = None
+    pending: tuple | None = None
     window_start, window_steps, t0 = None, 0, time.perf_counter()
 
-    def finish(step: int, metrics: dict) -> None:
+    def finish(step: int, metrics: dict, val_sums) -> None:
         """Host side of step `step` (its metrics are ready): progress, logging, divergence."""
         nonlocal window_start, window_steps
         m = _host_metrics(metrics)
@@ -124,33 +207,59 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s or 0:,.0f}", refresh=False)
         last = step == cfg.train.steps - 1
-        if step % log.log_every == 0 or last or m["nonfinite_run"] >= cfg.train.max_consecutive_nonfinite:
+        diverged = m["nonfinite_run"] >= cfg.train.max_consecutive_nonfinite
+        if step % log.log_every == 0 or last or diverged or val_sums is not None:
             mfu = tok_s * flops_tok / peak if tok_s is not None else None
             record = {"step": step, "loss": m.pop("loss"), "lr": m.pop("lr"), **m}
+            if val_sums is not None:
+                ce, n = (sum(float(x[i]) for x in val_sums) for i in (0, 1))
+                record["val_loss"] = ce / max(n, 1.0)
             record.update(tokens_per_s=tok_s, mfu=mfu, elapsed_s=now - t0)
             writer.write(record)
-        if m["nonfinite_run"] >= cfg.train.max_consecutive_nonfinite:
+        if diverged:
             raise TrainingDiverged(
                 f"stopped at step {step}: {m['nonfinite_run']} consecutive steps had a non-finite loss or "
                 f"gradient (updates were skipped); try a lower train.optimizer.lr or longer warmup, check the "
                 f"input tokens, or rerun with --debug-nans to find the first NaN"
             )
 
+    prefetch = Prefetcher(lambda s: device_batch(loader, s, batch_sharding), start, cfg.train.steps)
+    stopped_at = None
     try:
-        for step in range(cfg.train.steps):
-            state, metrics = step_fn(state, make_batch(step))
-            if checkpointer.wants(step + 1):
-                checkpointer.save(step + 1, state)
-            # Read the previous step's metrics only after queueing this one, so
-            # the device never waits for the host.
+        with _StopSignal() as stop:
+            for step in range(start, cfg.train.steps):
+                batch = {"tokens": prefetch.get(step), "loss_mask": loss_mask}
+                state, metrics = step_fn(state, batch)
+                done = step + 1
+                evaluating = val is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+                val_sums = evaluate(state.params) if evaluating else None
+                if checkpointer.wants(done):
+                    checkpointer.save(done, state)
+                else:
+                    checkpointer.poll()
+                # Read the previous step's metrics only after queueing this one, so
+                # the device never waits for the host.
+                if pending is not None:
+                    finish(*pending)
+                pending = (step, metrics, val_sums)
+                if stop.received is not None and done < cfg.train.steps:
+                    checkpointer.save(done, state, wait=True)
+                    stopped_at = (done, signal.Signals(stop.received).name)
+                    break
             if pending is not None:
                 finish(*pending)
-            pending = (step, metrics)
-        finish(*pending)
     finally:
+        prefetch.close()
         bar.close()
         writer.close()
         checkpointer.close()
     elapsed = time.perf_counter() - t0
+    if stopped_at is not None:
+        print(
+            f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {ckpt_dir}; "
+            f"continue with the same command plus --resume",
+            flush=True,
+        )
+        return run_dir
     print(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir
