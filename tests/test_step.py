@@ -143,3 +143,24 @@ def test_muon_trains():
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     assert losses[-1] < losses[0] - 1.0, losses[::5]
+
+
+def test_document_masking_stops_attention_at_eos():
+    from shipyard.model.transformer import logits as model_logits
+    from shipyard.train.step import segment_ids
+
+    tokens = jnp.array([[5, 1, 7, 8, 1, 9]])
+    assert segment_ids(tokens, 1).tolist() == [[0, 0, 1, 1, 1, 2]]
+    assert segment_ids(tokens, None) is None
+    cfg = load_config("tiny")
+    specs = param_specs(cfg.model)
+    params = init_params(specs, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    doc1, doc2 = rng.integers(2, 500, 9), rng.integers(2, 500, 12)
+    packed = jnp.asarray(np.concatenate([doc1, [1], doc2]))[None]
+    masked = model_logits(params, packed, cfg.model, segment_ids=segment_ids(packed, 1))
+    alone = model_logits(params, jnp.asarray(doc2)[None], cfg.model)
+    # RoPE is relative, so doc2's logits do not depend on where it sits once doc1 is masked out
+    np.testing.assert_allclose(masked[0, 10:], alone[0], atol=2e-5)
+    unmasked = model_logits(params, packed, cfg.model)
+    assert not np.allclose(unmasked[0, 10:], alone[0], atol=1e-3)

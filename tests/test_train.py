@@ -143,3 +143,10 @@ def test_debug_nans_names_the_first_bad_operation(tmp_path, byte_tokens):
     with pytest.raises(FloatingPointError, match=r"invalid value \((inf|nan)\) encountered"):
         _train(tmp_path, byte_tokens, "dbg", *args, "--debug-nans")
     assert not jax.config.jax_debug_nans and not jax.config.jax_debug_infs  # scoped to the run
+
+
+def test_document_masking_needs_an_eos_id_for_npy_tokens(tmp_path, byte_tokens, capsys):
+    args = ["train.steps=2", "train.schedule.warmup_steps=0", "data.document_masking=true"]
+    assert _train(tmp_path, byte_tokens, "m", *args) == 2
+    assert "set data.eos_id" in capsys.readouterr().err
+    assert _train(tmp_path, byte_tokens, "m", *args, "data.eos_id=256") == 0

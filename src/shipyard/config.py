@@ -130,6 +130,10 @@ class DataConfig(Schema):
     """Held-out tokens (shard directory or .npy) for the in-loop evaluation (train.eval_every)."""
     seq_len: int = Field(gt=0)
     """Tokens per training sequence (each sample reads seq_len + 1 tokens for the shifted targets)."""
+    document_masking: bool = False
+    """Attention does not cross an EOS inside a packed sequence (segment ids from the EOS positions)."""
+    eos_id: int | None = Field(None, ge=0)
+    """EOS token id for document_masking; null takes it from the token shards' manifest (required for a .npy)."""
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:

@@ -35,8 +35,10 @@ class SequenceSource:
     def __init__(self, path: str | Path, seq_len: int, vocab_size: int):
         path = Path(path)
         self.path, self.seq_len = path, seq_len
+        self.eos_id: int | None = None
         if (path / MANIFEST).is_file():
             manifest, self.arrays = open_shards(path)
+            self.eos_id = manifest["eos_id"]
             if manifest["vocab_size"] > vocab_size:
                 raise DataError(
                     f"data: {path} was tokenized with a vocabulary of {manifest['vocab_size']}, larger than "
@@ -99,8 +101,9 @@ def training_dataset(sources: Sequence[SequenceSource], weights: Sequence[float]
 class BatchLoader:
     """Rows of the global batch for any step; `rows(step, lo, hi)` builds only rows lo..hi-1."""
 
-    def __init__(self, dataset, batch_size: int, seq_len: int):
+    def __init__(self, dataset, batch_size: int, seq_len: int, eos_id: int | None = None):
         self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
+        self.eos_id = eos_id
 
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
         hi = self.batch_size if hi is None else hi
@@ -115,7 +118,10 @@ def build_loader(
     paths: Sequence[str], weights: Sequence[float], seed: int, batch_size: int, seq_len: int, vocab_size: int
 ) -> BatchLoader:
     sources = [SequenceSource(p, seq_len, vocab_size) for p in paths]
-    return BatchLoader(training_dataset(sources, weights, seed), batch_size, seq_len)
+    eos = {s.eos_id for s in sources}
+    # None: unknown (a .npy) or the sources disagree; document masking then needs data.eos_id
+    eos_id = eos.pop() if len(eos) == 1 else None
+    return BatchLoader(training_dataset(sources, weights, seed), batch_size, seq_len, eos_id)
 
 
 def device_batch(loader: BatchLoader, step: int, sharding) -> object:

@@ -69,7 +69,16 @@ def _split_microbatches(x: jax.Array, n: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
-def make_gradient_fn(cfg: Config):
+def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
+    """Document index of each position: a token after an EOS starts a new document (the EOS itself
+    belongs to the document it ends). None when document masking is off."""
+    if eos_id is None:
+        return None
+    is_eos = (tokens == eos_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=-1) - is_eos
+
+
+def make_gradient_fn(cfg: Config, eos_id: int | None = None):
     """`gradients(params, batch, loss_scale) -> (grads, LossSums)`: full-batch gradient of the mean loss.
 
     With `train.microbatches > 1` the batch is processed in sequential slices
@@ -87,7 +96,10 @@ def make_gradient_fn(cfg: Config):
 
         def objective(params, tok, msk):
             p = jax.tree.map(lambda x: x.astype(compute), params)
-            sums = loss_sums(logits(p, tok[:, :-1], model), tok[:, 1:], msk)
+            inputs = tok[:, :-1]
+            sums = loss_sums(
+                logits(p, inputs, model, segment_ids=segment_ids(inputs, eos_id)), tok[:, 1:], msk
+            )
             # Normalise by the whole batch's token count so microbatch
             # gradients add up to exactly the full-batch gradient.
             loss = (sums.ce + train.z_loss * sums.z) / total_tokens
@@ -111,12 +123,12 @@ def make_gradient_fn(cfg: Config):
     return gradients
 
 
-def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
-    """Build the (unjitted) step function for this config."""
+def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, eos_id: int | None = None):
+    """Build the (unjitted) step function for this config; with `eos_id`, attention stops at documents' ends."""
     train = cfg.train
     fp16 = train.precision.compute_dtype == "float16"
     schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
-    gradients = make_gradient_fn(cfg)
+    gradients = make_gradient_fn(cfg, eos_id)
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, sums = gradients(state.params, batch, state.loss_scale)
@@ -179,13 +191,15 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
     return step
 
 
-def make_eval_step(cfg: Config):
+def make_eval_step(cfg: Config, eos_id: int | None = None):
     """`eval_step(params, tokens) -> (sum of token losses, token count)`: forward only, compute dtype."""
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
 
     def eval_step(params, tokens):
         p = jax.tree.map(lambda x: x.astype(compute), params)
-        sums = loss_sums(logits(p, tokens[:, :-1], cfg.model), tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
+        inputs = tokens[:, :-1]
+        out = logits(p, inputs, cfg.model, segment_ids=segment_ids(inputs, eos_id))
+        sums = loss_sums(out, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
         return sums.ce, sums.tokens
 
     return eval_step

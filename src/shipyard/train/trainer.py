@@ -111,6 +111,14 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
     batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
     loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
+    eos_id = None
+    if cfg.data.document_masking:
+        eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else loader.eos_id
+        if eos_id is None:
+            raise ConfigError(
+                "data.document_masking: no EOS id known for these sources (a .npy, or shard sets with "
+                "different EOS ids); set data.eos_id"
+            )
     val = None
     if cfg.train.eval_every is not None:
         val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
@@ -153,12 +161,12 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
     batch_sharding = NamedSharding(mesh, batch_spec)
     mask_sharding = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
     step_fn = jax.jit(
-        make_train_step(cfg, optimizer),
+        make_train_step(cfg, optimizer, eos_id),
         in_shardings=(state_shardings, {"tokens": batch_sharding, "loss_mask": batch_sharding}),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(make_eval_step(cfg), in_shardings=(state_shardings.params, batch_sharding))
+    eval_fn = jax.jit(make_eval_step(cfg, eos_id), in_shardings=(state_shardings.params, batch_sharding))
 
     devices = list(mesh.devices.flat)
     peak = peak_flops(cfg.train.logging.peak_flops_per_device, devices)
