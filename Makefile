@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml requirements.lock
 quickstart: install
 	$(BIN)/shipyard data stdlib --out $(QS)/stdlib --overwrite
 	$(BIN)/shipyard data prepare configs/quickstart-data.yaml
-	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/04-tokenize-train --run-dir $(QS)/run --overwrite
+	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/04-tokenize-train \
+		data.validation_tokens=$(QS)/data/05-tokenize-validation train.eval_every=50 --run-dir $(QS)/run --overwrite
 	$(BIN)/shipyard report $(QS)/run
 
 # Default tier: everything but the end-to-end runs marked slow.

@@ -45,7 +45,11 @@ def write_report(run_dir: Path) -> Path:
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
+            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label="train")
+        val = [(r["step"], r["val_loss"]) for r in rows if key == "loss" and r.get("val_loss") is not None]
+        if val:  # held-out loss on the same axes as the train loss
+            ax.plot(*zip(*val), marker="o", label="validation")
+            ax.legend()
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -62,6 +66,11 @@ def write_report(run_dir: Path) -> Path:
         "",
         f"- steps logged: {len(rows)} (last step {last['step']})",
         f"- loss: {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
+        *(
+            [f"- validation loss: {vals[-1][1]:.4f} at step {vals[-1][0]}"]
+            if (vals := [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None])
+            else []
+        ),
         f"- final entropy: {last.get('entropy', float('nan')):.4f}, grad norm {last.get('grad_norm', float('nan')):.3f}",
         f"- throughput: {speeds[-1]:,.0f} tokens/s, MFU {last.get('mfu') or 0:.1%}"
         if speeds
