@@ -182,3 +182,14 @@ def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, st
     assert sorted(b) == list(range(40)) and all(a[s] == b[s] for s in range(40))  # bitwise: float equality
     for x, y in zip(_final_params(straight), _final_params(run)):
         assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_keep_last_n_plus_every_mth_permanently(tmp_path):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(every=1, keep=2, keep_every=3), total_steps=7)
+    for step in range(1, 8):
+        ckpt.save(step, _small_state(step))
+    ckpt.close()
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [3, 6, 7]
+    sidecars = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.sha256.json"))
+    assert sidecars == ["3.sha256.json", "6.sha256.json", "7.sha256.json"]
