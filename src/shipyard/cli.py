@@ -150,6 +150,22 @@ def _cmd_data_verify(args) -> int:
     return 0
 
 
+def _cmd_launch(args) -> int:
+    from shipyard.config import load_config
+    from shipyard.parallel.launch import launch_local, launch_ray
+
+    load_config(args.config, args.overrides)  # a bad config fails here, once, not in every process
+    train_args = [args.config, *args.overrides]
+    if args.run_dir is not None:
+        train_args += ["--run-dir", str(args.run_dir)]
+    train_args += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
+    if args.ray:
+        return launch_ray(args.ray, args.processes, train_args, args.devices_per_process)
+    if args.processes is None:
+        raise ConfigError("launch: give --processes N (local) or --ray ADDRESS")
+    return launch_local(args.processes, train_args, args.devices_per_process)
+
+
 def _cmd_report(args) -> int:
     from shipyard.report import write_report
 
@@ -190,6 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn on JAX NaN and Inf checking (slow): the first operation producing one raises, with its traceback",
     )
     tr.set_defaults(func=_cmd_train)
+
+    la = sub.add_parser("launch", help="run `train` as one JAX cluster of several processes (local or Ray)")
+    la.add_argument("config", help="preset name or YAML file")
+    la.add_argument("overrides", nargs="*", help="dotted overrides, passed to every process")
+    la.add_argument("--processes", type=int, default=None, help="number of processes (local: required)")
+    la.add_argument(
+        "--ray", default=None, metavar="ADDRESS", help="Ray cluster address (e.g. auto or host:6379)"
+    )
+    la.add_argument(
+        "--devices-per-process", type=int, default=None, help="CPU testing: host devices each process exposes"
+    )
+    la.add_argument("--run-dir", type=Path, default=None, help="run directory (shared by all processes)")
+    la.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
+    la.add_argument("--overwrite", action="store_true", help="replace an existing run")
+    la.set_defaults(func=_cmd_launch)
 
     data = sub.add_parser("data", help="prepare data")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)

@@ -275,6 +275,18 @@ class MeshConfig(Schema):
     """Tensor parallelism over heads, MLP width and vocabulary."""
     expert: int = 1
     """Expert parallelism (mixture-of-experts models)."""
+    rules: dict[str, tuple[str, ...]] = {}
+    """Logical axis -> mesh axes, overriding entries of the default table (parallel/mesh.py), e.g. {embed: [], mlp: [tensor, fsdp]}."""
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> MeshConfig:
+        for name, axes in self.rules.items():
+            bad = [a for a in axes if a not in ("data", "fsdp", "tensor", "expert")]
+            if bad:
+                raise ValueError(
+                    f"rules: {name} names unknown mesh axes {bad}; use data, fsdp, tensor, expert"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> MeshConfig:
@@ -286,6 +298,24 @@ class MeshConfig(Schema):
         if sizes.count(-1) > 1:
             raise ValueError("at most one mesh axis may be -1")
         return self
+
+
+class DistributedConfig(Schema):
+    """Joining a multi-process JAX cluster (several hosts, or `shipyard launch --processes N`).
+
+    Unset fields come from SHIPYARD_COORDINATOR / SHIPYARD_NUM_PROCESSES /
+    SHIPYARD_PROCESS_ID, else from what JAX detects (SLURM, Open MPI, cloud TPU);
+    with none of these the run is single-process.
+    """
+
+    coordinator_address: str | None = None
+    """host:port of process 0's coordination service."""
+    num_processes: int | None = Field(None, gt=0)
+    """Number of processes in the cluster."""
+    process_id: int | None = Field(None, ge=0)
+    """This process's index, 0..num_processes-1."""
+    initialization_timeout: int = Field(300, gt=0)
+    """Seconds to wait for every process to join."""
 
 
 class RunConfig(Schema):
@@ -310,6 +340,8 @@ class Config(Schema):
     """Optimisation loop."""
     mesh: MeshConfig = MeshConfig()
     """Device mesh."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Multi-process cluster membership."""
 
     @model_validator(mode="after")
     def _check_eval(self) -> Config:

@@ -126,20 +126,29 @@ def hidden_states(
     cfg: ModelConfig,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    activation_sharding=None,
 ) -> jax.Array:
     """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq].
 
     Runs in the dtype of `params` (cast them first for mixed precision).
+    `activation_sharding` (a Sharding for [batch, seq, embed]) pins the residual
+    stream's layout at every block boundary, so the compiler cannot drift
+    into a layout that gathers the batch (the partitioner only sees shardings
+    of inputs and outputs otherwise).
     """
+
+    def constrain(x):
+        return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
+
     if positions is None:
         positions = jnp.arange(tokens.shape[1])[None, :]
     cos, sin = layers.rope_cos_sin(
         positions, layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     )
-    x = jnp.take(params.embed, tokens, axis=0)
+    x = constrain(jnp.take(params.embed, tokens, axis=0))
 
     def body(x, p):
-        return _block(cfg, x, p, cos, sin, segment_ids), None
+        return constrain(_block(cfg, x, p, cos, sin, segment_ids)), None
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)

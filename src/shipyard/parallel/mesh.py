@@ -39,6 +39,11 @@ DEFAULT_RULES: Rules = {
 }
 
 
+def rules_for(cfg: MeshConfig) -> Rules:
+    """The default table with the config's overrides applied."""
+    return {**DEFAULT_RULES, **{k: tuple(v) for k, v in cfg.rules.items()}}
+
+
 def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     sizes = {name: getattr(cfg, name) for name in MESH_AXES}
     fixed = math.prod(s for s in sizes.values() if s != -1)

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from shipyard.config import CheckpointConfig
@@ -118,8 +119,11 @@ class Checkpointer:
         self.poll()
 
     def poll(self) -> None:
-        """Start hashing saves that have finished (cheap to call every step)."""
+        """Start hashing saves that have finished (cheap to call every step); process 0 does it."""
         if not self._unhashed or self._manager is None or self._manager.is_saving_in_progress():
+            return
+        if jax.process_index() != 0:
+            self._unhashed = []
             return
         if self._hasher is not None and self._hasher.is_alive():
             return

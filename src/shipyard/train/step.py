@@ -39,20 +39,33 @@ class TrainState:
     """int32 current run of consecutive skipped steps."""
 
 
-def init_state(cfg: Config, params: TransformerParams, optimizer: optax.GradientTransformation) -> TrainState:
+def init_state(
+    cfg: Config, params: TransformerParams, optimizer: optax.GradientTransformation, shardings=None
+) -> TrainState:
     """Fresh state around `params`, built in one jit so every leaf lands on the params' devices.
 
-    XLA propagates each parameter's sharding to its optimizer moments; the
+    Each optimizer moment is pinned to its parameter's sharding (`shardings`,
+    default: the params' own): XLA would otherwise replicate zeros that do
+    not depend on any input, and FSDP would shard only half the state. The
     scalar counters are replicated.
     """
     fp16 = cfg.train.precision.compute_dtype == "float16"
     scale = cfg.train.precision.loss_scale_init if fp16 else 1.0
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, params)
 
     def build(params):
+        opt_state = optax.tree_map_params(
+            optimizer,
+            lambda leaf, sh: jax.lax.with_sharding_constraint(leaf, sh),
+            optimizer.init(params),
+            shardings,
+            transform_non_params=lambda leaf: leaf,
+        )
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=optimizer.init(params),
+            opt_state=opt_state,
             loss_scale=jnp.full((), scale, jnp.float32),
             good_steps=jnp.zeros((), jnp.int32),
             nonfinite=jnp.zeros((), jnp.int32),
@@ -78,7 +91,7 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def make_gradient_fn(cfg: Config, eos_id: int | None = None):
+def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding=None):
     """`gradients(params, batch, loss_scale) -> (grads, LossSums)`: full-batch gradient of the mean loss.
 
     With `train.microbatches > 1` the batch is processed in sequential slices
@@ -97,9 +110,14 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None):
         def objective(params, tok, msk):
             p = jax.tree.map(lambda x: x.astype(compute), params)
             inputs = tok[:, :-1]
-            sums = loss_sums(
-                logits(p, inputs, model, segment_ids=segment_ids(inputs, eos_id)), tok[:, 1:], msk
+            out = logits(
+                p,
+                inputs,
+                model,
+                segment_ids=segment_ids(inputs, eos_id),
+                activation_sharding=activation_sharding,
             )
+            sums = loss_sums(out, tok[:, 1:], msk)
             # Normalise by the whole batch's token count so microbatch
             # gradients add up to exactly the full-batch gradient.
             loss = (sums.ce + train.z_loss * sums.z) / total_tokens
@@ -123,12 +141,18 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None):
     return gradients
 
 
-def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, eos_id: int | None = None):
-    """Build the (unjitted) step function for this config; with `eos_id`, attention stops at documents' ends."""
+def make_train_step(
+    cfg: Config, optimizer: optax.GradientTransformation, eos_id: int | None = None, activation_sharding=None
+):
+    """Build the (unjitted) step function for this config.
+
+    With `eos_id`, attention stops at documents' ends; `activation_sharding`
+    pins the residual stream's layout at block boundaries (see hidden_states).
+    """
     train = cfg.train
     fp16 = train.precision.compute_dtype == "float16"
     schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
-    gradients = make_gradient_fn(cfg, eos_id)
+    gradients = make_gradient_fn(cfg, eos_id, activation_sharding)
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, sums = gradients(state.params, batch, state.loss_scale)
@@ -191,14 +215,20 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, eos_id
     return step
 
 
-def make_eval_step(cfg: Config, eos_id: int | None = None):
+def make_eval_step(cfg: Config, eos_id: int | None = None, activation_sharding=None):
     """`eval_step(params, tokens) -> (sum of token losses, token count)`: forward only, compute dtype."""
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
 
     def eval_step(params, tokens):
         p = jax.tree.map(lambda x: x.astype(compute), params)
         inputs = tokens[:, :-1]
-        out = logits(p, inputs, cfg.model, segment_ids=segment_ids(inputs, eos_id))
+        out = logits(
+            p,
+            inputs,
+            cfg.model,
+            segment_ids=segment_ids(inputs, eos_id),
+            activation_sharding=activation_sharding,
+        )
         sums = loss_sums(out, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
         return sums.ce, sums.tokens
 

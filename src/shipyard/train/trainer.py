@@ -19,7 +19,8 @@ from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_params, param_specs
-from shipyard.parallel.mesh import DEFAULT_RULES, logical_to_pspec, make_mesh
+from shipyard.parallel import distributed
+from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from shipyard.train.optim import build_optimizer
@@ -63,13 +64,28 @@ def train(
         return _train(cfg, run_dir, overwrite, resume)
 
 
+class _NoWriter:
+    """Processes other than 0 log nothing."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _global_array(value: np.ndarray, sharding) -> jax.Array:
+    """A host value every process holds in full, as a global array (device_put needs it addressable)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def _abstract_state(cfg: Config, specs, shardings, optimizer):
     """The train state's shapes, dtypes and shardings on this mesh, without allocating it
     (what a checkpoint is restored into; the shardings are the ones a fresh init produces)."""
     key = jax.random.key(cfg.train.seed)
 
     def make():
-        return init_state(cfg, init_params(specs, key, shardings), optimizer)
+        return init_state(cfg, init_params(specs, key, shardings), optimizer, shardings)
 
     shapes = jax.eval_shape(make)
     out_shardings = jax.jit(make).lower().compile().output_shardings
@@ -108,6 +124,13 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
             "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
             "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), or data.mixture"
         )
+    distributed.initialize(cfg.distributed)
+    main = distributed.is_main_process()
+
+    def say(message: str) -> None:
+        if main:
+            print(message, flush=True)
+
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
     batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
     loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
@@ -123,8 +146,9 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
     if cfg.train.eval_every is not None:
         val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
     mesh = make_mesh(cfg.mesh)
-    batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, DEFAULT_RULES)
-    if math.prod(mesh.shape[a] for a in DEFAULT_RULES["batch"]) > 1 and batch_spec[0] is None:
+    rules = rules_for(cfg.mesh)
+    batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, rules)
+    if math.prod(mesh.shape[a] for a in rules["batch"]) > 1 and batch_spec[0] is None:
         raise ConfigError(
             f"train.global_batch_size={batch_size} is not divisible by the {mesh.devices.size} "
             "data-parallel devices; choose a multiple"
@@ -136,65 +160,78 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
         check_resumable(run_dir, cfg)
     else:
         if resume and (run_dir / "config.yaml").exists():
-            print(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
-        prepare_run_dir(run_dir, overwrite or resume)
+            say(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
+        if main:
+            prepare_run_dir(run_dir, overwrite or resume)
         names = [f"mixture[{i}]" for i in range(len(paths))] if cfg.data.mixture else ["train_tokens"]
         inputs = {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, paths)}
-        write_run_header(run_dir, cfg, inputs)
+        if main:
+            write_run_header(run_dir, cfg, inputs)
     specs = param_specs(cfg.model)
-    shardings = param_shardings(specs, mesh, DEFAULT_RULES)
+    distributed.barrier("run directory ready")
+    shardings = param_shardings(specs, mesh, rules)
     optimizer = build_optimizer(cfg.train, specs)
     state_shardings = None
     start = 0
     if resuming:
         abstract = _abstract_state(cfg, specs, shardings, optimizer)
         state_shardings = jax.tree.map(lambda a: a.sharding, abstract)
-        start, state = restore_latest(ckpt_dir, abstract)
-        truncate_metrics(run_dir / "metrics.jsonl", start)
-        record_resume(run_dir, start)
-        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-        print(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}", flush=True)
+        start, state = restore_latest(ckpt_dir, abstract, say=say)
+        if main:
+            truncate_metrics(run_dir / "metrics.jsonl", start)
+            record_resume(run_dir, start)
+            write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
     else:
         params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
         state = init_state(cfg, params, optimizer)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding = NamedSharding(mesh, batch_spec)
     mask_sharding = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
+
+    def activations(rows: int) -> NamedSharding:
+        shape = (rows, seq_len, cfg.model.hidden_size)
+        return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
+
+    micro = activations(batch_size // cfg.train.microbatches)
     step_fn = jax.jit(
-        make_train_step(cfg, optimizer, eos_id),
+        make_train_step(cfg, optimizer, eos_id, micro),
         in_shardings=(state_shardings, {"tokens": batch_sharding, "loss_mask": batch_sharding}),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(make_eval_step(cfg, eos_id), in_shardings=(state_shardings.params, batch_sharding))
+    eval_fn = jax.jit(
+        make_eval_step(cfg, eos_id, activations(batch_size)),
+        in_shardings=(state_shardings.params, batch_sharding),
+    )
 
     devices = list(mesh.devices.flat)
     peak = peak_flops(cfg.train.logging.peak_flops_per_device, devices)
     flops_tok = flops_per_token(cfg.model, seq_len)
     tokens_per_step = batch_size * seq_len
-    print(
-        f"shipyard: {num_params(cfg.model):,} params, {len(devices)} {devices[0].platform} device(s), "
-        f"mesh {dict(mesh.shape)}, run dir {run_dir}",
-        flush=True,
+    say(
+        f"shipyard: {num_params(cfg.model):,} params, {len(devices)} {devices[0].platform} device(s)"
+        f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
+        f"mesh {dict(mesh.shape)}, run dir {run_dir}"
     )
-    loss_mask = jax.device_put(np.ones((batch_size, seq_len), np.float32), mask_sharding)
+    loss_mask = _global_array(np.ones((batch_size, seq_len), np.float32), mask_sharding)
 
     def evaluate(params) -> tuple:
         """Sums over the same held-out sequences every time (the first eval_batches * B)."""
         out = []
         for b in range(cfg.train.eval_batches):
             rows = [val[(b * batch_size + r) % len(val)] for r in range(batch_size)]
-            out.append(eval_fn(params, jax.device_put(np.stack(rows), batch_sharding)))
+            out.append(eval_fn(params, _global_array(np.stack(rows), batch_sharding)))
         return out
 
     log = cfg.train.logging
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if main else _NoWriter()
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     bar = tqdm(
         total=cfg.train.steps,
         initial=start,
         unit="step",
-        disable=not log.progress,
+        disable=not (log.progress and main),
         mininterval=0.5,
         dynamic_ncols=True,
     )
@@ -263,11 +300,11 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
         checkpointer.close()
     elapsed = time.perf_counter() - t0
     if stopped_at is not None:
-        print(
+        say(
             f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {ckpt_dir}; "
             f"continue with the same command plus --resume",
             flush=True,
         )
         return run_dir
-    print(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
+    say(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir

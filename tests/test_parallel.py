@@ -1,0 +1,172 @@
+"""Sharded training on a device mesh: same numbers as one device; each array laid out by the rules."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from shipyard.config import MeshConfig, load_config
+from shipyard.data.loader import build_loader
+from shipyard.model.params import init_params, param_shardings
+from shipyard.model.transformer import param_specs
+from shipyard.parallel.distributed import settings
+from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+from shipyard.train.optim import build_optimizer
+from shipyard.train.step import init_state, make_train_step
+
+MESHES = {
+    "data=8": dict(data=8),
+    "fsdp=8": dict(data=1, fsdp=8),
+    "tensor=4,fsdp=2": dict(data=1, fsdp=2, tensor=4),
+    "data=2,fsdp=2,tensor=2": dict(data=2, fsdp=2, tensor=2),
+}
+
+
+def _run(cfg, mesh_cfg, devices, tokens, steps=5):
+    mesh = make_mesh(mesh_cfg, devices)
+    rules = rules_for(mesh_cfg)
+    specs = param_specs(cfg.model)
+    shardings = param_shardings(specs, mesh, rules)
+    opt = build_optimizer(cfg.train, specs)
+    state = init_state(cfg, init_params(specs, jax.random.key(0), shardings), opt)
+    B, L = cfg.train.global_batch_size, cfg.data.seq_len
+    batch_sh = NamedSharding(mesh, logical_to_pspec(("batch", "seq"), (B, L + 1), mesh, rules))
+    act = NamedSharding(
+        mesh, logical_to_pspec(("batch", "seq", "embed"), (B, L, cfg.model.hidden_size), mesh, rules)
+    )
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(
+        make_train_step(cfg, opt, None, act),
+        in_shardings=(state_sh, {"tokens": batch_sh, "loss_mask": batch_sh}),
+        out_shardings=(state_sh, None),
+        donate_argnums=0,
+    )
+    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
+    mask = jax.device_put(np.ones((B, L), np.float32), batch_sh)
+    losses = []
+    for s in range(steps):
+        state, m = step(
+            state, {"tokens": jax.device_put(loader.global_batch(s), batch_sh), "loss_mask": mask}
+        )
+        losses.append(float(m["loss"]))
+    return state, losses, specs, mesh, rules
+
+
+@pytest.fixture(scope="module")
+def reference(byte_tokens):
+    cfg = load_config("tiny", ["train.global_batch_size=8", "data.seq_len=64"])
+    state, losses, *_ = _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+    return cfg, jax.device_get(state.params), losses
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_steps_equal_one_device(reference, byte_tokens, name):
+    cfg, ref_params, ref_losses = reference
+    state, losses, specs, mesh, rules = _run(cfg, MeshConfig(**MESHES[name]), jax.devices(), byte_tokens)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # every parameter is laid out exactly as the rules say
+    for spec, arr in zip(jax.tree.leaves(specs), jax.tree.leaves(state.params)):
+        want = logical_to_pspec(spec.logical_axes, spec.shape, mesh, rules)
+        assert arr.sharding.is_equivalent_to(NamedSharding(mesh, want), arr.ndim), (
+            spec.logical_axes,
+            arr.sharding,
+        )
+
+
+def test_fsdp8_each_device_holds_an_eighth(byte_tokens):
+    cfg = load_config("tiny", ["train.global_batch_size=8", "data.seq_len=64"])
+    state, *_ = _run(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1)
+    for tree in (state.params, state.opt_state):
+        total = on_device0 = 0
+        for leaf in jax.tree.leaves(tree):
+            if leaf.ndim == 0:
+                continue  # step counters: replicated scalars
+            total += leaf.nbytes
+            on_device0 += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == jax.devices()[0])
+        assert on_device0 * 8 == total, (on_device0, total)
+
+
+def test_distributed_settings_from_config_and_environment(monkeypatch):
+    from shipyard.config import DistributedConfig
+    from shipyard.errors import ConfigError
+
+    for key in ("SHIPYARD_COORDINATOR", "SHIPYARD_NUM_PROCESSES", "SHIPYARD_PROCESS_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    assert settings(DistributedConfig()) is None
+    monkeypatch.setenv("SHIPYARD_COORDINATOR", "10.0.0.1:1234")
+    with pytest.raises(ConfigError, match="together"):
+        settings(DistributedConfig())
+    monkeypatch.setenv("SHIPYARD_NUM_PROCESSES", "4")
+    monkeypatch.setenv("SHIPYARD_PROCESS_ID", "2")
+    got = settings(DistributedConfig())
+    assert (got["coordinator_address"], got["num_processes"], got["process_id"]) == ("10.0.0.1:1234", 4, 2)
+    assert settings(DistributedConfig(process_id=3))["process_id"] == 3  # config wins
+    with pytest.raises(ConfigError, match="outside 0..3"):
+        settings(DistributedConfig(process_id=7))
+
+
+def _launch(tmp_path, *args, devices_per_process=4):
+    env = dict(os.environ, SHIPYARD_NO_REEXEC="1")
+    argv = [sys.executable, "-m", "shipyard.cli", "launch", *args]
+    if devices_per_process:
+        argv += ["--devices-per-process", str(devices_per_process)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_launch_stops_when_processes_fail(tmp_path):
+    r = _launch(
+        tmp_path,
+        "--processes",
+        "2",
+        "tiny",
+        f"data.train_tokens={tmp_path / 'missing.npy'}",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
+    assert r.returncode == 3 and "does not exist" in r.stderr
+
+
+@pytest.mark.slow
+def test_two_process_cluster_matches_one_process_and_resumes_on_four_devices(tmp_path, byte_tokens):
+    common = [
+        "tiny",
+        f"data.train_tokens={byte_tokens}",
+        "train.steps=10",
+        "train.logging.log_every=1",
+        "train.logging.progress=false",
+    ]
+    r = _launch(tmp_path, "--processes", "2", *common, "--run-dir", str(tmp_path / "two"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "8 cpu device(s) in 2 processes" in r.stdout
+    one = _launch(
+        tmp_path, "--processes", "1", *common, "--run-dir", str(tmp_path / "one"), devices_per_process=8
+    )
+    assert one.returncode == 0, one.stderr
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    assert (tmp_path / "two" / "checkpoints" / "10").is_dir()
+    resumed = _launch(
+        tmp_path,
+        "--processes",
+        "1",
+        *common,
+        "train.steps=12",
+        "--run-dir",
+        str(tmp_path / "two"),
+        "--resume",
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint 10" in resumed.stdout and "4 cpu device(s)" in resumed.stdout
+    assert [json.loads(x)["step"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()][
+        -1
+    ] == 11
