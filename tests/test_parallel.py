@@ -170,3 +170,32 @@ def test_two_process_cluster_matches_one_process_and_resumes_on_four_devices(tmp
     assert [json.loads(x)["step"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()][
         -1
     ] == 11
+
+
+@pytest.mark.slow
+def test_launch_on_a_local_ray_instance(tmp_path, byte_tokens):
+    pytest.importorskip("ray")
+    from shipyard.parallel.launch import free_port
+
+    port = free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    start = [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    subprocess.run([*start, "--disable-usage-stats"], check=True, capture_output=True, timeout=180)
+    try:
+        args = ["tiny", f"data.train_tokens={byte_tokens}", "train.steps=4", "train.logging.progress=false"]
+        r = _launch(
+            tmp_path,
+            "--ray",
+            f"127.0.0.1:{port}",
+            "--processes",
+            "2",
+            *args,
+            "--run-dir",
+            str(tmp_path / "r"),
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "in 2 processes" in r.stdout + r.stderr
+        rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1])["step"] == 3
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
