@@ -80,14 +80,17 @@ def test_sharded_steps_equal_one_device(reference, byte_tokens, name):
         )
 
 
-def test_fsdp8_each_device_holds_an_eighth(byte_tokens):
-    cfg = load_config("tiny", ["train.global_batch_size=8", "data.seq_len=64"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp8_each_device_holds_an_eighth(byte_tokens, optimizer):
+    cfg = load_config(
+        "tiny", ["train.global_batch_size=8", "data.seq_len=64", f"train.optimizer.name={optimizer}"]
+    )
     state, *_ = _run(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1)
     for tree in (state.params, state.opt_state):
         total = on_device0 = 0
         for leaf in jax.tree.leaves(tree):
-            if leaf.ndim == 0:
-                continue  # step counters: replicated scalars
+            if leaf.size < 64:
+                continue  # step counters and constants (Muon's Newton-Schulz coefficients): replicated, tiny
             total += leaf.nbytes
             on_device0 += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == jax.devices()[0])
         assert on_device0 * 8 == total, (on_device0, total)

@@ -39,6 +39,31 @@ class TrainState:
     """int32 current run of consecutive skipped steps."""
 
 
+def _pin_like_params(opt_state, params, shardings):
+    """Constrain each optimizer leaf that mirrors a parameter (same key-path suffix and shape) to its sharding.
+
+    Matching by path suffix rather than tree structure also covers
+    partitioned optimizers (Muon + AdamW), whose states hold masked nodes.
+    """
+    keyed = [
+        (jax.tree_util.keystr(path), leaf.shape, sh)
+        for (path, leaf), sh in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings)
+        )
+    ]
+
+    def pin(path, leaf):
+        name = jax.tree_util.keystr(path)
+        match = max(
+            ((k, sh) for k, shape, sh in keyed if name.endswith(k) and getattr(leaf, "shape", None) == shape),
+            key=lambda m: len(m[0]),
+            default=None,
+        )
+        return leaf if match is None else jax.lax.with_sharding_constraint(leaf, match[1])
+
+    return jax.tree_util.tree_map_with_path(pin, opt_state)
+
+
 def init_state(
     cfg: Config, params: TransformerParams, optimizer: optax.GradientTransformation, shardings=None
 ) -> TrainState:
@@ -55,13 +80,7 @@ def init_state(
         shardings = jax.tree.map(lambda x: x.sharding, params)
 
     def build(params):
-        opt_state = optax.tree_map_params(
-            optimizer,
-            lambda leaf, sh: jax.lax.with_sharding_constraint(leaf, sh),
-            optimizer.init(params),
-            shardings,
-            transform_non_params=lambda leaf: leaf,
-        )
+        opt_state = _pin_like_params(optimizer.init(params), params, shardings)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
