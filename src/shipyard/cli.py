@@ -166,6 +166,31 @@ def _cmd_launch(args) -> int:
     return launch_local(args.processes, train_args, args.devices_per_process)
 
 
+def _cmd_export_hf(args) -> int:
+    from shipyard.interop.hf import export_hf
+
+    info = export_hf(args.run_dir, args.out, args.step, int(args.max_shard_gb * (1 << 30)))
+    tok = (
+        f", tokenizer from {info['tokenizer']}"
+        if info["tokenizer"]
+        else " (no tokenizer found next to the run's data)"
+    )
+    print(
+        f"exported checkpoint {info['step']} of {args.run_dir} to {args.out}: {', '.join(info['files'])}{tok}"
+    )
+    return 0
+
+
+def _cmd_import_hf(args) -> int:
+    from shipyard.interop.hf import import_hf
+
+    info = import_hf(args.hf_dir, args.out)
+    print(
+        f"imported {args.hf_dir}: params in {info['params']}; train from it with `shipyard train {info['config']} data.train_tokens=...`"
+    )
+    return 0
+
+
 def _cmd_report(args) -> int:
     from shipyard.report import write_report
 
@@ -290,6 +315,26 @@ def build_parser() -> argparse.ArgumentParser:
     ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
     ve.add_argument("shards", type=Path, help="token shard directory")
     ve.set_defaults(func=_cmd_data_verify)
+
+    ex = sub.add_parser("export", help="export a run's checkpoint to another format")
+    ex_sub = ex.add_subparsers(dest="export_command", required=True, parser_class=_Parser)
+    exh = ex_sub.add_parser(
+        "hf", help="Hugging Face Llama directory (config.json, model.safetensors, tokenizer)"
+    )
+    exh.add_argument("run_dir", type=Path, help="run directory holding checkpoints/")
+    exh.add_argument("out", type=Path, help="output directory (must not exist)")
+    exh.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    exh.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors above this size")
+    exh.set_defaults(func=_cmd_export_hf)
+
+    im = sub.add_parser("import", help="import a checkpoint from another format")
+    im_sub = im.add_subparsers(dest="import_command", required=True, parser_class=_Parser)
+    imh = im_sub.add_parser(
+        "hf", help="Hugging Face Llama/Mistral safetensors directory -> params + config.yaml"
+    )
+    imh.add_argument("hf_dir", type=Path, help="directory with config.json and *.safetensors")
+    imh.add_argument("out", type=Path, help="output directory (must not exist)")
+    imh.set_defaults(func=_cmd_import_hf)
 
     rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
     rep.add_argument("run_dir", type=Path)

@@ -250,6 +250,8 @@ class TrainConfig(Schema):
     """Metrics and progress display."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoint saving."""
+    init_from: str | None = None
+    """Start from these params instead of a random init (the params directory written by `shipyard import hf`); optimizer state starts fresh."""
     eval_every: int | None = Field(None, gt=0)
     """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
     eval_batches: int = Field(4, gt=0)

@@ -183,7 +183,13 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
         say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
     else:
-        params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
+        if cfg.train.init_from is not None:
+            from shipyard.interop.hf import load_init_params
+
+            params = load_init_params(cfg.train.init_from, specs, shardings)
+            say(f"shipyard: starting from the params in {cfg.train.init_from}")
+        else:
+            params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
         state = init_state(cfg, params, optimizer)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding = NamedSharding(mesh, batch_spec)

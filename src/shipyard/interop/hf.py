@@ -1,0 +1,381 @@
+"""Hugging Face Llama-format checkpoints: shipyard params <-> safetensors + config.json.
+
+The mapping is exact: HF's Llama stores projections as [out, in] matrices
+with heads flattened into the out (q, k, v) or in (o) dimension; shipyard keeps
+heads as their own axis ([layers, embed, heads, head_dim]) so they can be
+sharded. RoPE uses the same rotate-half pairing, RMSNorm the same formula, so
+logits agree to float rounding (tested against transformers).
+
+Only safetensors are read or written: a `.bin` (pickle) checkpoint is refused,
+never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from shipyard.config import ModelConfig, RopeScaling
+from shipyard.errors import DataError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for LlamaForCausalLM."""
+    if cfg.qk_norm:
+        raise DataError(
+            "export hf: models with qk_norm have no Llama equivalent (Llama has no query/key norms)"
+        )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": max(cfg.max_seq_len, cfg.rope_scaling.original_max_position + 1)
+        if cfg.rope_scaling
+        else cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        # both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta + rope_scaling
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else rope,
+        "rope_parameters": rope,
+    }
+    if bos_id is not None:
+        out["bos_token_id"] = bos_id
+    if eos_id is not None:
+        out["eos_token_id"] = eos_id
+    return out
+
+
+def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
+    """A shipyard ModelConfig for a Llama / Mistral config.json (one line naming what does not fit)."""
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise DataError(f"import hf: {where} is a {arch}; supported: {', '.join(ARCHITECTURES)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise DataError(f"import hf: {where} has {key}=true; shipyard's Llama has no biases")
+    if config.get("hidden_act", "silu") != "silu":
+        raise DataError(f"import hf: {where} has hidden_act={config['hidden_act']!r}; expected silu")
+    if config.get("sliding_window") and arch == "MistralForCausalLM":
+        window = config["sliding_window"]
+        if window < config.get("max_position_embeddings", 0):
+            raise DataError(
+                f"import hf: {where} uses a sliding window of {window}; shipyard attends globally"
+            )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    scaling = None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "llama3":
+        scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position=rope["original_max_position_embeddings"],
+        )
+    elif kind not in ("default", None):
+        raise DataError(f"import hf: {where} uses rope_type={kind!r}; supported: default, llama3")
+    heads = config["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF Llama state dict (numpy, fp32) from shipyard params (any array type)."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b = params.blocks
+    out = {
+        "model.embed_tokens.weight": np.asarray(params.embed),
+        "model.norm.weight": np.asarray(params.final_norm),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = np.asarray(b.attn_norm[i])
+        out[p + "post_attention_layernorm.weight"] = np.asarray(b.mlp_norm[i])
+        out[p + "self_attn.q_proj.weight"] = np.asarray(b.wq[i]).reshape(E, H * D).T
+        out[p + "self_attn.k_proj.weight"] = np.asarray(b.wk[i]).reshape(E, K * D).T
+        out[p + "self_attn.v_proj.weight"] = np.asarray(b.wv[i]).reshape(E, K * D).T
+        out[p + "self_attn.o_proj.weight"] = np.asarray(b.wo[i]).reshape(H * D, E).T
+        out[p + "mlp.gate_proj.weight"] = np.asarray(b.w_gate[i]).T
+        out[p + "mlp.up_proj.weight"] = np.asarray(b.w_up[i]).T
+        out[p + "mlp.down_proj.weight"] = np.asarray(b.w_down[i]).T
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(params.lm_head).T
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
+    """shipyard params (numpy fp32) from an HF Llama state dict; names and shapes are checked."""
+    from shipyard.model.transformer import BlockParams, TransformerParams
+
+    E, H, K, D, M, L = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.num_layers,
+    )
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        if name not in tensors:
+            raise DataError(f"import hf: {where} lacks tensor {name}")
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise DataError(
+                f"import hf: {where}: {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+            )
+        if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
+            raise DataError(f"import hf: {where}: {name} has dtype {t.dtype}; expected a float type")
+        return np.asarray(t, dtype=np.float32)
+
+    def stack(fmt: str, shape: tuple, transform) -> np.ndarray:
+        return np.stack([transform(get(fmt.format(i), shape)) for i in range(L)])
+
+    p = "model.layers.{}."
+    blocks = BlockParams(
+        attn_norm=stack(p + "input_layernorm.weight", (E,), lambda t: t),
+        wq=stack(p + "self_attn.q_proj.weight", (H * D, E), lambda t: t.T.reshape(E, H, D)),
+        wk=stack(p + "self_attn.k_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+        wv=stack(p + "self_attn.v_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+        wo=stack(p + "self_attn.o_proj.weight", (E, H * D), lambda t: t.T.reshape(H, D, E)),
+        q_norm=None,
+        k_norm=None,
+        mlp_norm=stack(p + "post_attention_layernorm.weight", (E,), lambda t: t),
+        w_gate=stack(p + "mlp.gate_proj.weight", (M, E), lambda t: t.T),
+        w_up=stack(p + "mlp.up_proj.weight", (M, E), lambda t: t.T),
+        w_down=stack(p + "mlp.down_proj.weight", (E, M), lambda t: t.T),
+    )
+    embed = get("model.embed_tokens.weight", (cfg.vocab_size, E))
+    lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (cfg.vocab_size, E)).T
+    return TransformerParams(
+        embed=embed, blocks=blocks, final_norm=get("model.norm.weight", (E,)), lm_head=lm_head
+    )
+
+
+def write_safetensors(
+    tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int = 5 << 30
+) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than max_shard_bytes."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an HF directory's safetensors files (refusing pickle-based .bin checkpoints)."""
+    from safetensors.numpy import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        if list(hf_dir.glob("*.bin")) or list(hf_dir.glob("*.pt")):
+            raise DataError(
+                f"import hf: {hf_dir} holds only .bin/.pt (pickle) weights, which shipyard never loads; "
+                "convert them to safetensors first"
+            )
+        raise DataError(f"import hf: {hf_dir} has no .safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise DataError(f"import hf: {f} is not a readable safetensors file ({e})") from e
+    return tensors
+
+
+# ----------------------------------------------------------------------------- run directories
+
+
+def load_run_params(run_dir: Path, step: int | None = None):
+    """(config, step, params as host numpy) from a run's checkpoint, restored sharded over the local devices
+    (fsdp over all of them when it divides) and copied to host one array at a time."""
+    import jax
+
+    from shipyard.config import MeshConfig, load_config
+    from shipyard.errors import RunDirError
+    from shipyard.model.params import param_shardings
+    from shipyard.model.transformer import param_specs
+    from shipyard.parallel.mesh import make_mesh, rules_for
+    from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.trainer import _abstract_state
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"export: {run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(str(run_dir / "config.yaml"))
+    steps = available_steps(checkpoint_dir(run_dir))
+    if not steps:
+        raise RunDirError(f"export: {run_dir} has no complete checkpoint")
+    if step is None:
+        step = steps[0]
+    elif step not in steps:
+        raise RunDirError(
+            f"export: {run_dir} has no checkpoint {step} (available: {', '.join(map(str, steps))})"
+        )
+    devices = jax.local_devices()
+    n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
+    mesh_cfg = MeshConfig(data=1, fsdp=n)
+    mesh = make_mesh(mesh_cfg, devices[:n])
+    specs = param_specs(cfg.model)
+    shardings = param_shardings(specs, mesh, rules_for(mesh_cfg))
+    abstract = _abstract_state(cfg, specs, shardings, build_optimizer(cfg.train, specs))
+    state = restore(checkpoint_dir(run_dir), step, abstract)
+    return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state.params)
+
+
+def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = 5 << 30) -> dict:
+    """Write a transformers-loadable Llama directory for a run's checkpoint (atomically)."""
+    import shutil
+
+    from shipyard.data.stage import stage_output
+
+    cfg, step, params = load_run_params(run_dir, step)
+    tokenizer_dir = _tokenizer_of(cfg)
+    ids = {}
+    if tokenizer_dir is not None:
+        from shipyard.data.tokenizer import load_tokenizer, special_token_ids
+
+        ids = special_token_ids(tokenizer_dir, load_tokenizer(tokenizer_dir))
+    with stage_output(Path(out), overwrite=False, stage="export hf") as tmp:
+        files = write_safetensors(to_hf_tensors(params, cfg.model), tmp, max_shard_bytes)
+        config = hf_config(cfg.model, ids.get("bos_token"), ids.get("eos_token"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {
+            "bos_token_id": ids.get("bos_token"),
+            "eos_token_id": ids.get("eos_token"),
+            "do_sample": False,
+        }
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if (tokenizer_dir / name).is_file():
+                    shutil.copy(tokenizer_dir / name, tmp / name)
+    return {"step": step, "files": files, "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+
+
+def _tokenizer_of(cfg) -> Path | None:
+    """The tokenizer copied into the run's (first) token-shard directory, if any."""
+    paths, _ = cfg.data.sources()
+    for p in paths:
+        if (Path(p) / "tokenizer.json").is_file():
+            return Path(p)
+    return None
+
+
+def import_hf(hf_dir: Path, out: Path) -> dict:
+    """An HF Llama/Mistral safetensors directory -> <out>/params (Orbax) + <out>/config.yaml to train from."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+    import yaml
+
+    from shipyard.data.stage import stage_output
+
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise DataError(f"import hf: {hf_dir} has no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"import hf: {config_path} is not valid JSON ({e.msg}, line {e.lineno})") from e
+    model = model_config_from_hf(config, str(config_path))
+    params = from_hf_tensors(read_safetensors(hf_dir), model, str(hf_dir))
+    out = Path(out)
+    with stage_output(out, overwrite=False, stage="import hf") as tmp:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save((tmp / "params").absolute(), params)
+        run_config = {
+            "model": model.model_dump(mode="json"),
+            "data": {"seq_len": min(model.max_seq_len, 2048)},
+            "train": {"steps": 1000, "global_batch_size": 8, "init_from": str((out / "params").absolute())},
+        }
+        header = f"# imported from {hf_dir}; set data.train_tokens (same tokenizer!) and train settings\n"
+        (tmp / "config.yaml").write_text(header + yaml.safe_dump(run_config, sort_keys=False))
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (hf_dir / name).is_file():
+                shutil.copy(hf_dir / name, tmp / name)
+    return {"params": str(out / "params"), "config": str(out / "config.yaml"), "model": model}
+
+
+def load_init_params(path: str | Path, specs, shardings):
+    """Params saved by import_hf (or any params-only Orbax tree of this model), restored onto `shardings`."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from shipyard.errors import ConfigError
+    from shipyard.model.params import abstract_params
+
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise ConfigError(
+            f"train.init_from: {path} does not exist (expected the params directory of `shipyard import hf`)"
+        )
+    target = abstract_params(specs, shardings)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(path, target)
+    except (ValueError, KeyError) as e:
+        shapes = {
+            jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]
+        }
+        raise ConfigError(
+            f"train.init_from: {path} does not hold params of this model ({str(e).splitlines()[0][:160]}); "
+            f"expected e.g. embed {shapes.get('.embed')}"
+        ) from e

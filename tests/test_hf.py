@@ -1,0 +1,193 @@
+"""HF Llama interop: export loads in transformers with the same logits; import gives the same logits."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shipyard.config import load_config
+from shipyard.errors import DataError
+from shipyard.interop.hf import (
+    from_hf_tensors,
+    hf_config,
+    model_config_from_hf,
+    read_safetensors,
+    to_hf_tensors,
+    write_safetensors,
+)
+from shipyard.model.params import init_params
+from shipyard.model.transformer import logits, param_specs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CASES = {
+    "gqa-untied": [],
+    "tied": ["model.tie_embeddings=true"],
+    "rope-scaling": [
+        "model.rope_scaling={factor: 8.0, original_max_position: 64}",
+        "model.rope_theta=500000",
+    ],
+}
+
+
+def _random_params(cfg):
+    """Init, then noise on every tensor (norm scales too), so a mapping mistake cannot hide."""
+    params = init_params(param_specs(cfg), jax.random.key(1))
+    leaves, tree = jax.tree.flatten(params)
+    rng = np.random.default_rng(0)
+    return jax.tree.unflatten(
+        tree, [np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32) for x in leaves]
+    )
+
+
+def _hf_model(config: dict, tensors: dict | None = None):
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    if tensors is not None:
+        missing, unexpected = model.load_state_dict(
+            {k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False
+        )
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        if config["tie_word_embeddings"]:
+            model.tie_weights()
+    return model
+
+
+def _tokens():
+    return np.random.default_rng(3).integers(0, 512, (2, 24))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_loads_in_transformers_with_equal_logits(case, tmp_path):
+    cfg = load_config("tiny", CASES[case]).model
+    params = _random_params(cfg)
+    tensors = to_hf_tensors(params, cfg)
+    write_safetensors(tensors, tmp_path)
+    config = hf_config(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(_tokens())).logits.numpy()
+    ours = np.asarray(logits(params, jnp.asarray(_tokens()), cfg))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    # and back: export -> import gives identical params
+    back = from_hf_tensors(read_safetensors(tmp_path), model_config_from_hf(config))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), b)
+
+
+def test_import_of_a_transformers_model_gives_its_logits(tmp_path):
+    config = {
+        "vocab_size": 300,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
+    torch.manual_seed(0)
+    model = _hf_model(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    cfg = model_config_from_hf(saved)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.tie_embeddings) == (2, 8, False)
+    params = from_hf_tensors(read_safetensors(tmp_path), cfg)
+    tokens = np.random.default_rng(4).integers(0, 300, (2, 20))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(
+        np.asarray(logits(params, jnp.asarray(tokens), cfg)), theirs, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_import_refuses_pickles_and_wrong_shapes(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(DataError, match="never loads"):
+        read_safetensors(tmp_path)
+    cfg = load_config("tiny").model
+    tensors = to_hf_tensors(_random_params(cfg), cfg)
+    good = tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.1.mlp.up_proj.weight"] = good[:, :10]
+    with pytest.raises(DataError, match=r"up_proj.weight has shape \(192, 10\)"):
+        from_hf_tensors(tensors, cfg)
+    tensors["model.layers.1.mlp.up_proj.weight"] = good
+    del tensors["model.norm.weight"]
+    with pytest.raises(DataError, match="lacks tensor model.norm.weight"):
+        from_hf_tensors(tensors, cfg)
+    with pytest.raises(DataError, match="supported: LlamaForCausalLM"):
+        model_config_from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    cfg = load_config("tiny").model
+    tensors = to_hf_tensors(_random_params(cfg), cfg)
+    names = write_safetensors(tensors, tmp_path, max_shard_bytes=100_000)
+    assert len(names) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    back = read_safetensors(tmp_path)
+    assert set(back) == set(tensors) and all(np.array_equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_tokens, capsys):
+    from shipyard.cli import main
+    from shipyard.interop.hf import load_run_params
+
+    run = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "tiny",
+                f"data.train_tokens={byte_tokens}",
+                "train.steps=3",
+                "train.logging.progress=false",
+                "--run-dir",
+                str(run),
+            ]
+        )
+        == 0
+    )
+    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 0
+    assert "exported checkpoint 3" in capsys.readouterr().out
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), torch_dtype=torch.float32
+    ).eval()
+    cfg, step, params = load_run_params(run)
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(_tokens())).logits.numpy()
+    np.testing.assert_allclose(
+        np.asarray(logits(params, jnp.asarray(_tokens()), cfg.model)), theirs, atol=1e-4, rtol=1e-4
+    )
+    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 3  # never overwrites
+
+    # import it back and continue training from it (a learning rate of ~0 keeps the params)
+    assert main(["import", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    cont = tmp_path / "cont"
+    argv = [
+        "train",
+        str(tmp_path / "imported" / "config.yaml"),
+        f"data.train_tokens={byte_tokens}",
+        "train.steps=1",
+    ]
+    argv += [
+        "train.optimizer.lr=1e-12",
+        "train.schedule.warmup_steps=0",
+        "train.logging.progress=false",
+        "--run-dir",
+        str(cont),
+    ]
+    assert main(argv) == 0
+    assert "starting from the params" in capsys.readouterr().out
+    _, _, again = load_run_params(cont)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
