@@ -19,13 +19,14 @@ $(STAMP): pyproject.toml requirements.lock
 
 # The whole pipeline on the embedded default corpus (the stdlib source):
 # documents -> filter -> dedup -> BPE tokenizer -> token shards
-# -> 200 training steps of `tiny` -> plots + report.md.
+# -> 200 training steps of `tiny` -> plots + report.md -> a sampled completion.
 quickstart: install
 	$(BIN)/shipyard data stdlib --out $(QS)/stdlib --overwrite
 	$(BIN)/shipyard data prepare configs/quickstart-data.yaml
 	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/04-tokenize-train \
 		data.validation_tokens=$(QS)/data/05-tokenize-validation train.eval_every=50 --run-dir $(QS)/run --overwrite
 	$(BIN)/shipyard report $(QS)/run
+	$(BIN)/shipyard generate $(QS)/run --prompt "def " --max-new-tokens 48
 
 # Default tier: everything but the end-to-end runs marked slow.
 test: install

@@ -81,3 +81,52 @@ def test_greedy_equals_transformers_generate(tmp_path):
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
             )
         assert out[0, len(prompt) :].tolist() == tokens
+
+
+def test_generate_cli_on_a_run_trained_on_token_shards(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from data_fixtures import prose, write_jsonl
+
+    from shipyard.cli import main
+
+    docs = write_jsonl(tmp_path / "d.jsonl", [prose(s) for s in range(40)])
+    assert (
+        main(
+            ["data", "tokenizer-train", str(docs), "--out", str(tmp_path / "tok"), "--set", "vocab_size=400"]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "tokenize",
+                str(docs),
+                "--out",
+                str(tmp_path / "sh"),
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
+    run = tmp_path / "run"
+    args = [
+        "train",
+        "tiny",
+        f"data.train_tokens={tmp_path / 'sh'}",
+        "train.steps=2",
+        "train.logging.progress=false",
+    ]
+    assert main([*args, "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert (
+        main(["generate", str(run), "--prompt", "Kabel lodor", "--prompt", "Mi", "--max-new-tokens", "5"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("--- ") == 2 and "\nKabel lodor" in out and "\nMi" in out

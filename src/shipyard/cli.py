@@ -191,6 +191,44 @@ def _cmd_import_hf(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    from shipyard.data.tokenizer import load_tokenizer, special_token_ids
+    from shipyard.errors import DataError
+    from shipyard.generate import Generator
+    from shipyard.interop.hf import _tokenizer_of, load_run_params
+
+    cfg, step, params = load_run_params(args.run_dir, args.step)
+    tok_dir = _tokenizer_of(cfg)
+    if tok_dir is None:
+        raise DataError(
+            f"generate: no tokenizer.json next to the training data of {args.run_dir}; train on token shards"
+        )
+    tok = load_tokenizer(tok_dir)
+    eos = special_token_ids(tok_dir, tok)["eos_token"]
+    prompts = [tok.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]
+
+    def stop(tokens: list[int]) -> bool:
+        return bool(args.stop) and any(s in tok.decode(tokens, skip_special_tokens=False) for s in args.stop)
+
+    outs = Generator(params, cfg.model)(
+        prompts,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_ids=(eos,),
+        stop=stop,
+    )
+    for prompt, out in zip(args.prompt, outs):
+        text = tok.decode([t for t in out if t != eos], skip_special_tokens=False)
+        for s in args.stop:
+            if s in text:
+                text = text[: text.index(s)]
+        print(f"--- {prompt!r}\n{prompt}{text}")
+    return 0
+
+
 def _cmd_report(args) -> int:
     from shipyard.report import write_report
 
@@ -335,6 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     imh.add_argument("hf_dir", type=Path, help="directory with config.json and *.safetensors")
     imh.add_argument("out", type=Path, help="output directory (must not exist)")
     imh.set_defaults(func=_cmd_import_hf)
+
+    ge = sub.add_parser("generate", help="complete prompts with a trained run (KV cache, batched)")
+    ge.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    ge.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    ge.add_argument("--max-new-tokens", type=int, default=64)
+    ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ge.add_argument("--top-k", type=int, default=None)
+    ge.add_argument("--top-p", type=float, default=None)
+    ge.add_argument("--seed", type=int, default=0)
+    ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    ge.add_argument("--step", type=int, default=None, help="checkpoint step")
+    ge.set_defaults(func=_cmd_generate)
 
     rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
     rep.add_argument("run_dir", type=Path)
