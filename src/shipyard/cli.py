@@ -229,6 +229,40 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_eval(args) -> int:
+    import json
+
+    from shipyard.evaluate import run_eval
+
+    domains = {}
+    for item in args.tokens:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"eval --tokens {item!r}: expected NAME=SHARD_DIR")
+        domains[name] = path
+    tasks = []
+    for item in args.task:
+        kind, sep, path = item.partition(":")
+        if not sep:
+            raise ConfigError(f"eval --task {item!r}: expected mc:FILE.jsonl or cloze:FILE.jsonl")
+        tasks.append((kind, path))
+    report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step)
+    out = args.out or args.run_dir / "eval.json"
+    from shipyard.train.rundir import write_atomic
+
+    write_atomic(Path(out), json.dumps(report, indent=2) + "\n")
+    for name, m in report["domains"].items():
+        bpb = f", {m['bits_per_byte']:.4f} bits/byte" if m["bits_per_byte"] else ""
+        print(f"{name}: loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} ({m['tokens']:,} tokens)")
+    for name, m in report["tasks"].items():
+        print(
+            f"{name}: "
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+        )
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_report(args) -> int:
     from shipyard.report import write_report
 
@@ -385,6 +419,19 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     ge.add_argument("--step", type=int, default=None, help="checkpoint step")
     ge.set_defaults(func=_cmd_generate)
+
+    ev = sub.add_parser("eval", help="held-out loss / perplexity / bits-per-byte and log-likelihood tasks")
+    ev.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    ev.add_argument(
+        "--tokens", action="append", default=[], metavar="NAME=DIR", help="a held-out token-shard set"
+    )
+    ev.add_argument(
+        "--task", action="append", default=[], metavar="KIND:FILE", help="mc:FILE.jsonl or cloze:FILE.jsonl"
+    )
+    ev.add_argument("--max-sequences", type=int, default=64, help="sequences scored per token set")
+    ev.add_argument("--step", type=int, default=None, help="checkpoint step")
+    ev.add_argument("--out", type=Path, default=None, help="JSON report (default RUN_DIR/eval.json)")
+    ev.set_defaults(func=_cmd_eval)
 
     rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
     rep.add_argument("run_dir", type=Path)

@@ -308,8 +308,7 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
     if stopped_at is not None:
         say(
             f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {ckpt_dir}; "
-            f"continue with the same command plus --resume",
-            flush=True,
+            f"continue with the same command plus --resume"
         )
         return run_dir
     say(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
