@@ -1,8 +1,7 @@
-"""A 1-D token array on disk and the deterministic batch for each step.
+"""Token files as training input: a 1-D .npy of ids (validated) and content hashes for provenance.
 
-The batch for step `s` depends only on (tokens, seed, s, batch size, seq len):
-sequence starts come from a PCG64 generator seeded with (seed, s), so a run
-can be repeated, or continued at any step, without replaying earlier steps.
+Batches are cut by data/loader.py; this module checks a .npy against the
+model (shape, dtype, ids inside the vocabulary) and hashes inputs.
 """
 
 from __future__ import annotations
@@ -75,10 +74,3 @@ def tokens_sha256(path: str | Path) -> str:
     """Content hash of a token file, or of a shard directory's manifest (which holds every shard's hash)."""
     path = Path(path)
     return file_sha256(path / MANIFEST if path.is_dir() else path)
-
-
-def batch_at(tokens: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int) -> np.ndarray:
-    """[batch_size, seq_len + 1] int32 windows for `step` (inputs and shifted targets)."""
-    rng = np.random.Generator(np.random.PCG64([seed, step]))
-    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
-    return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts])
