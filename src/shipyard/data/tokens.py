@@ -17,8 +17,10 @@ from shipyard.errors import DataError
 def load_tokens(path: str | Path, vocab_size: int, seq_len: int) -> np.ndarray:
     """Memory-map a 1-D integer .npy of token ids (or a token-shard directory) and check it against the model.
 
-    A shard directory with one shard is memory-mapped; several shards are
-    concatenated in memory for now (the streaming loader replaces this).
+    Training reads shard directories through data/loader.py (memory-mapped,
+    never concatenated); a directory reaching this function is checked here
+    (a missing manifest is reported) and its shards are joined in memory, a
+    path kept for small tools and tests.
     """
     path = Path(path)
     if path.is_dir():
