@@ -18,7 +18,7 @@ import numpy as np
 from shipyard.data.configs import DecontaminateConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, read_documents
 from shipyard.data.ngrams import combine, span_hashes, span_words, word_hashes, word_spans
-from shipyard.data.stage import config_record, run_document_stage
+from shipyard.data.stage import run_document_stage
 from shipyard.errors import DataError
 
 
@@ -94,11 +94,10 @@ def run_decontaminate(
         "decontaminate",
         inputs,
         out,
-        config_record(read, decontaminate=cfg),
+        cfg,
+        read,
         decontaminate_batch,
         workers=workers,
-        text_field=read.text_field,
-        max_bad_fraction=read.max_bad_fraction,
         overwrite=overwrite,
         initializer=_init,
         initargs=(cfg, sets),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shipyard.data.configs import ExtractConfig, ReadConfig
 from shipyard.data.documents import Document
-from shipyard.data.stage import config_record, run_document_stage
+from shipyard.data.stage import run_document_stage
 
 # Set once per worker process by the pool initializer (a worker serves one stage).
 _CFG: ExtractConfig | None = None
@@ -61,11 +61,10 @@ def run_extract(
         "extract",
         inputs,
         out,
-        config_record(read, extract=cfg),
+        cfg,
+        read,
         extract_batch,
         workers=workers,
-        text_field=read.text_field,
-        max_bad_fraction=read.max_bad_fraction,
         overwrite=overwrite,
         initializer=_init,
         initargs=(cfg,),

@@ -15,7 +15,7 @@ import numpy as np
 
 from shipyard.data.configs import FilterConfig, ReadConfig
 from shipyard.data.documents import Document
-from shipyard.data.stage import config_record, run_document_stage
+from shipyard.data.stage import run_document_stage
 
 TERMINAL = (".", "!", "?", '"', "'", "”", "’")
 
@@ -166,11 +166,10 @@ def run_filter(
         "filter",
         inputs,
         out,
-        config_record(read, filter=cfg),
+        cfg,
+        read,
         filter_batch,
         workers=workers,
-        text_field=read.text_field,
-        max_bad_fraction=read.max_bad_fraction,
         overwrite=overwrite,
         initializer=_init,
         initargs=(cfg,),

@@ -301,12 +301,11 @@ def run_document_stage(
     stage: str,
     inputs: list[str],
     out: Path,
-    config: dict,
+    cfg,
+    read,
     worker: Callable[[list[Document]], tuple[list[Document], Counter, list[dict]]],
     *,
     workers: int,
-    text_field: str,
-    max_bad_fraction: float,
     overwrite: bool,
     initializer: Callable | None = None,
     initargs: tuple = (),
@@ -318,11 +317,13 @@ def run_document_stage(
     `worker` maps a batch to (kept documents, drop counts by reason, examples
     worth showing a person); it runs in the worker processes, configured by
     `initializer(*initargs)`. `postprocess` may add to the stats before they
-    are written.
+    are written. `cfg` (the stage's settings) and `read` are recorded in
+    stats.json under the stage's name, as `data prepare` compares them.
     """
     inputs = [str(p) for p in inputs]
     units = plan(inputs)
-    stats = StageStats(stage, inputs, config, workers, max_examples=max_examples)
+    stats = StageStats(stage, inputs, config_record(read, **{stage: cfg}), workers, max_examples=max_examples)
+    text_field = read.text_field
     with stage_output(out, overwrite, stage) as tmp:
         items = ((i, u, str(tmp), text_field, worker) for i, u in enumerate(units))
         parts = []
@@ -330,7 +331,7 @@ def run_document_stage(
             stats.add(r)
             if r["part"]:
                 parts.append(r["part"])
-        check_bad_fraction(stats.read, max_bad_fraction, f"data {stage}")
+        check_bad_fraction(stats.read, read.max_bad_fraction, f"data {stage}")
         result = stats.as_dict()
         result["parts"] = parts
         if postprocess is not None:
