@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.shards import MANIFEST, open_shards
+from shipyard.data.shards import open_shards
 from shipyard.errors import DataError
 
 
@@ -36,7 +36,7 @@ class SequenceSource:
         path = Path(path)
         self.path, self.seq_len = path, seq_len
         self.eos_id: int | None = None
-        if (path / MANIFEST).is_file():
+        if path.is_dir():  # a token-shard directory; open_shards reports a missing manifest
             manifest, self.arrays = open_shards(path)
             self.eos_id = manifest["eos_id"]
             if manifest["vocab_size"] > vocab_size:

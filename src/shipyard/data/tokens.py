@@ -10,21 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.shards import MANIFEST, file_sha256, open_shards
+from shipyard.data.shards import MANIFEST, file_sha256
 from shipyard.errors import DataError
 
 
 def load_tokens(path: str | Path, vocab_size: int, seq_len: int) -> np.ndarray:
-    """Memory-map a 1-D integer .npy of token ids (or a token-shard directory) and check it against the model.
+    """Memory-map a 1-D integer .npy of token ids and check it against the model.
 
-    Training reads shard directories through data/loader.py (memory-mapped,
-    never concatenated); a directory reaching this function is checked here
-    (a missing manifest is reported) and its shards are joined in memory, a
-    path kept for small tools and tests.
+    (Token-shard directories are read by data/loader.py's SequenceSource.)
     """
     path = Path(path)
-    if path.is_dir():
-        return _load_shard_dir(path, vocab_size, seq_len)
     if not path.is_file():
         raise DataError(f"data.train_tokens: {path} does not exist (expected a 1-D .npy of token ids)")
     try:
@@ -53,22 +48,6 @@ def load_tokens(path: str | Path, vocab_size: int, seq_len: int) -> np.ndarray:
                 f"data.train_tokens: {path} has token id {int(tokens[i])} at position {i}, "
                 f"outside model.vocab_size={vocab_size}"
             )
-    return tokens
-
-
-def _load_shard_dir(path: Path, vocab_size: int, seq_len: int) -> np.ndarray:
-    manifest, arrays = open_shards(path)
-    if manifest["vocab_size"] > vocab_size:
-        raise DataError(
-            f"data.train_tokens: {path} was tokenized with a vocabulary of {manifest['vocab_size']}, "
-            f"larger than model.vocab_size={vocab_size}; set model.vocab_size={manifest['vocab_size']}"
-        )
-    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    if len(tokens) < seq_len + 1:
-        raise DataError(
-            f"data.train_tokens: {path} has {len(tokens)} tokens, fewer than one sequence "
-            f"(data.seq_len + 1 = {seq_len + 1})"
-        )
     return tokens
 
 
