@@ -12,12 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 
-from shipyard.errors import DataError
+from shipyard.data.stage import stage_output
 
 VALIDATION_PERCENT = 2
 SPLITS = ("train", "validation")
@@ -49,14 +47,9 @@ def write_stdlib_documents(out_dir: Path, overwrite: bool = False) -> dict:
     The directory is assembled under a temporary name and renamed into place
     when complete, so an interrupted run never leaves one that looks finished.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise DataError(f"data stdlib: {out_dir} already exists; pass --overwrite or choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     stats = {split: {"documents": 0, "bytes": 0} for split in SPLITS}
     stats["skipped_not_utf8"] = 0
-    try:
+    with stage_output(Path(out_dir), overwrite, "stdlib") as tmp:
         handles = {split: open(tmp / f"{split}.jsonl", "w", encoding="utf-8") for split in SPLITS}  # noqa: SIM115
         try:
             for rel, path in stdlib_files():
@@ -75,10 +68,4 @@ def write_stdlib_documents(out_dir: Path, overwrite: bool = False) -> dict:
             for h in handles.values():
                 h.close()
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return stats
