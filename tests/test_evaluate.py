@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from data_fixtures import prose, write_jsonl
+from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train
 from shipyard.errors import DataError
 from shipyard.evaluate import cloze, loglikelihoods, multiple_choice, token_byte_lengths
-from shipyard.model.params import init_params
-from shipyard.model.transformer import logits, param_specs
+from shipyard.model.transformer import logits
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,7 @@ def setup(tmp_path_factory):
     docs = write_jsonl(d / "docs.jsonl", [prose(s) for s in range(30)] + ["Ünïcödé — 日本語 🙂 text"])
     run_tokenizer_train([str(docs)], d / "tok", TokenizerTrainConfig(vocab_size=400), ReadConfig())
     cfg = load_config("tiny").model
-    params = init_params(param_specs(cfg), jax.random.key(0))
-    leaves, tree = jax.tree.flatten(params)
-    rng = np.random.default_rng(0)
-    params = jax.tree.unflatten(
-        tree, [x + 0.2 * rng.standard_normal(x.shape).astype(np.float32) for x in leaves]
-    )
+    params = noisy_params(cfg, key=0, seed=0, scale=0.2)
     return d, cfg, params, load_tokenizer(d / "tok")
 
 

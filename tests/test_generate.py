@@ -2,8 +2,8 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.generate import Generator
@@ -11,16 +11,7 @@ from shipyard.model.transformer import logits
 
 
 def _params(cfg):
-    from shipyard.model.params import init_params
-    from shipyard.model.transformer import param_specs
-
-    params = init_params(param_specs(cfg), jax.random.key(2))
-    leaves, tree = jax.tree.flatten(params)
-    rng = np.random.default_rng(1)
-    # larger weights than the init: peaked distributions make greedy choices clear-cut
-    return jax.tree.unflatten(
-        tree, [np.asarray(x) + 0.2 * rng.standard_normal(x.shape).astype(np.float32) for x in leaves]
-    )
+    return noisy_params(cfg, key=2, seed=1, scale=0.2)
 
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]

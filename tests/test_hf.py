@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.errors import DataError
@@ -17,8 +18,7 @@ from shipyard.interop.hf import (
     to_hf_tensors,
     write_safetensors,
 )
-from shipyard.model.params import init_params
-from shipyard.model.transformer import logits, param_specs
+from shipyard.model.transformer import logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -34,13 +34,7 @@ CASES = {
 
 
 def _random_params(cfg):
-    """Init, then noise on every tensor (norm scales too), so a mapping mistake cannot hide."""
-    params = init_params(param_specs(cfg), jax.random.key(1))
-    leaves, tree = jax.tree.flatten(params)
-    rng = np.random.default_rng(0)
-    return jax.tree.unflatten(
-        tree, [np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32) for x in leaves]
-    )
+    return noisy_params(cfg, key=1, seed=0, scale=0.05)
 
 
 def _hf_model(config: dict, tensors: dict | None = None):
