@@ -17,13 +17,25 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _cmd_config_show(args) -> int:
     from shipyard.config import load_config, to_yaml
-    from shipyard.model.transformer import num_params
+    from shipyard.model.transformer import num_active_params, num_params
+    from shipyard.train.metrics import flops_per_token
 
     cfg = load_config(args.config, args.overrides)
     sys.stdout.write(to_yaml(cfg))
-    sys.stdout.write(f"# parameters: {num_params(cfg.model)}\n")
+    total, active = num_params(cfg.model), num_active_params(cfg.model)
+    sys.stdout.write(f"# parameters: {total} ({_human(total)})\n")
+    sys.stdout.write(f"# active parameters per token: {active} ({_human(active)})\n")
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    sys.stdout.write(f"# training FLOPs per token at seq_len {cfg.data.seq_len}: {flops:.4g}\n")
     return 0
 
 

@@ -46,6 +46,45 @@ class RopeScaling(Schema):
         return self
 
 
+class MoEConfig(Schema):
+    """Mixture-of-experts MLPs: a router sends each token to `experts_per_token` of `num_experts` SwiGLU experts."""
+
+    num_experts: int = Field(gt=1)
+    """Routed experts per MoE layer (the `experts` logical axis)."""
+    experts_per_token: int = Field(gt=0)
+    """Top-k: experts each token is sent to."""
+    expert_intermediate_size: int = Field(gt=0)
+    """Hidden width of one expert's SwiGLU MLP (the `expert_mlp` logical axis)."""
+    num_shared_experts: int = Field(0, ge=0)
+    """Experts every token always uses (DeepSeek / Marin style), each expert_intermediate_size wide; run as one fused MLP."""
+    first_dense_layers: int = Field(0, ge=0)
+    """The first this many layers use a dense MLP of intermediate_size instead of experts."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score per expert: softmax over experts (Mixtral) or an independent sigmoid (DeepSeek-V3)."""
+    normalize_weights: bool = True
+    """Rescale the chosen experts' scores to sum to 1 per token."""
+    routed_scale: float = Field(1.0, gt=0)
+    """Multiply the routed experts' combined output by this (DeepSeek-V3's routed_scaling_factor)."""
+    capacity_factor: float | None = Field(None, gt=0)
+    """null: dropless (every assignment computed). A number: each expert takes at most capacity_factor x tokens x k / num_experts tokens per routing group (the tokens of one expert-parallel group) and drops the rest, earliest tokens first."""
+    aux_loss: float = Field(0.01, ge=0)
+    """Coefficient of the Switch load-balancing loss, num_experts x sum_i (fraction routed to i) x (mean score of i), summed over MoE layers; 0 disables."""
+    router_z_loss: float = Field(0.001, ge=0)
+    """Coefficient of the router z-loss (mean squared logsumexp of router logits), summed over MoE layers; 0 disables."""
+    bias_update_rate: float = Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias moves by this much toward equal load (up if under-loaded); 0 disables."""
+    grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
+    """Dropless expert matmul: ragged (jax.lax.ragged_dot, native on GPU/TPU), blocked (tokens padded into per-expert blocks and one batched matmul; faster on CPU, where ragged_dot runs every expert on every row), auto picks by backend."""
+
+    @model_validator(mode="after")
+    def _check_topk(self) -> MoEConfig:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}"
+            )
+        return self
+
+
 class ModelConfig(Schema):
     """A dense decoder-only transformer of the Llama-3 family."""
 
@@ -81,6 +120,8 @@ class ModelConfig(Schema):
     """Activation rematerialisation per block: none (keep all), full (recompute all), save_dots (keep matmul outputs)."""
     scan_unroll: int = Field(1, gt=0)
     """Layers per lax.scan iteration; >= num_layers unrolls fully (faster on CPU for shallow models, slower to compile deep ones)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLPs; null means every layer has the dense SwiGLU MLP."""
 
     @model_validator(mode="before")
     @classmethod
@@ -107,7 +148,22 @@ class ModelConfig(Schema):
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim: {self.head_dim} must be even for RoPE")
+        if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
+            raise ValueError(
+                f"moe.first_dense_layers: {self.moe.first_dense_layers} leaves no MoE layer of "
+                f"num_layers={self.num_layers}; use fewer dense layers or moe: null"
+            )
         return self
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with a dense MLP (all of them without MoE)."""
+        return self.num_layers if self.moe is None else self.moe.first_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with a mixture-of-experts MLP."""
+        return self.num_layers - self.num_dense_layers
 
 
 class MixtureComponent(Schema):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
 from shipyard.model import layers
-from shipyard.model.transformer import TransformerParams, output_weights
+from shipyard.model.transformer import TransformerParams, mlp_block, output_weights
 
 
 class KVCache(NamedTuple):
@@ -70,9 +70,17 @@ def forward_cached(
         probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
         attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, K * G * D)
         x = x + attn @ p.wo.reshape(-1, p.wo.shape[-1])
-        h = layers.rms_norm(x, p.mlp_norm, cfg.norm_eps)
-        return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down), (k_cache, v_cache)
+        return mlp_block(cfg, x, p)[0], (k_cache, v_cache)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (params.blocks, cache.k, cache.v))
+    # The cache spans all layers; each stack (dense, then MoE) scans its slice.
+    ks, vs, first = [], [], 0
+    for blocks, _ in params.stacks():
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        x, (k, v) = jax.lax.scan(body, x, (blocks, cache.k[first : first + n], cache.v[first : first + n]))
+        ks.append(k)
+        vs.append(v)
+        first += n
     h = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
-    return (h @ output_weights(params)).astype(jnp.float32), KVCache(ks, vs)
+    if len(ks) > 1:  # (a dense model keeps its one cache array: no per-token copy)
+        ks, vs = [jnp.concatenate(ks)], [jnp.concatenate(vs)]
+    return (h @ output_weights(params)).astype(jnp.float32), KVCache(ks[0], vs[0])

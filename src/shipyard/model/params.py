@@ -20,7 +20,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from shipyard.parallel.mesh import Rules, logical_to_pspec
 
-Role = Literal["weight", "embedding", "head", "norm"]
+# weight: hidden matrices; router: MoE router (AdamW even under Muon); buffer:
+# state kept with the params but moved by a rule, not by gradients (MoE
+# selection biases: their gradient is zero and they are never decayed).
+Role = Literal["weight", "embedding", "head", "norm", "router", "buffer"]
 
 
 @dataclass(frozen=True)

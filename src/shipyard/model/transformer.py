@@ -1,4 +1,10 @@
-"""The dense Llama-3 family decoder: parameter specs and the forward pass."""
+"""The Llama-3 family decoder (dense or mixture-of-experts MLPs): parameter specs and the forward pass.
+
+Layers are stacked on a leading `layers` axis and run by `lax.scan`. A scan
+needs identical layers, so a model with MoE has two stacks: `blocks` (the
+first `moe.first_dense_layers` layers, dense MLPs; every layer of a dense
+model) and `moe_blocks` (the rest). Either is None when it has no layers.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
 from shipyard.model import layers
+from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
 
 
@@ -26,18 +33,28 @@ class BlockParams:
     q_norm: jax.Array | None
     k_norm: jax.Array | None
     mlp_norm: jax.Array
-    w_gate: jax.Array
-    w_up: jax.Array
-    w_down: jax.Array
+    w_gate: jax.Array | None
+    """Dense SwiGLU MLP (None in MoE blocks)."""
+    w_up: jax.Array | None
+    w_down: jax.Array | None
+    moe: MoEParams | None = None
+    """Mixture-of-experts MLP (None in dense blocks)."""
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TransformerParams:
     embed: jax.Array
-    blocks: BlockParams
+    blocks: BlockParams | None
+    """The dense-MLP layers (all layers of a dense model); None when every layer is MoE."""
     final_norm: jax.Array
     lm_head: jax.Array | None  # None when embeddings are tied
+    moe_blocks: BlockParams | None = None
+    """The MoE layers, which follow the dense ones; None for a dense model."""
+
+    def stacks(self) -> list[tuple[BlockParams, bool]]:
+        """(stacked blocks, is_moe) in layer order."""
+        return [(b, moe) for b, moe in ((self.blocks, False), (self.moe_blocks, True)) if b is not None]
 
 
 def param_specs(cfg: ModelConfig) -> TransformerParams:
@@ -63,22 +80,28 @@ def param_specs(cfg: ModelConfig) -> TransformerParams:
     def mat(shape, axes, s, fan_in):
         return ArraySpec(shape, axes, "normal", std=s, role="weight", fan_in_axes=fan_in)
 
-    blocks = BlockParams(
-        attn_norm=norm((L, "layers"), (E, "embed")),
-        wq=mat((L, E, H, D), ("layers", "embed", "heads", "head_dim"), std, (1,)),
-        wk=mat((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), std, (1,)),
-        wv=mat((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), std, (1,)),
-        wo=mat((L, H, D, E), ("layers", "heads", "head_dim", "embed"), out_std, (1, 2)),
-        q_norm=norm((L, "layers"), (D, "head_dim")) if cfg.qk_norm else None,
-        k_norm=norm((L, "layers"), (D, "head_dim")) if cfg.qk_norm else None,
-        mlp_norm=norm((L, "layers"), (E, "embed")),
-        w_gate=mat((L, E, M), ("layers", "embed", "mlp"), std, (1,)),
-        w_up=mat((L, E, M), ("layers", "embed", "mlp"), std, (1,)),
-        w_down=mat((L, M, E), ("layers", "mlp", "embed"), out_std, (1,)),
-    )
+    def block_specs(n: int, moe: bool) -> BlockParams | None:
+        if n == 0:
+            return None
+        return BlockParams(
+            attn_norm=norm((n, "layers"), (E, "embed")),
+            wq=mat((n, E, H, D), ("layers", "embed", "heads", "head_dim"), std, (1,)),
+            wk=mat((n, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), std, (1,)),
+            wv=mat((n, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), std, (1,)),
+            wo=mat((n, H, D, E), ("layers", "heads", "head_dim", "embed"), out_std, (1, 2)),
+            q_norm=norm((n, "layers"), (D, "head_dim")) if cfg.qk_norm else None,
+            k_norm=norm((n, "layers"), (D, "head_dim")) if cfg.qk_norm else None,
+            mlp_norm=norm((n, "layers"), (E, "embed")),
+            w_gate=None if moe else mat((n, E, M), ("layers", "embed", "mlp"), std, (1,)),
+            w_up=None if moe else mat((n, E, M), ("layers", "embed", "mlp"), std, (1,)),
+            w_down=None if moe else mat((n, M, E), ("layers", "mlp", "embed"), out_std, (1,)),
+            moe=moe_specs(cfg.moe, n, E, std, out_std) if moe else None,
+        )
+
     return TransformerParams(
         embed=ArraySpec((V, E), ("vocab", "embed"), "normal", std=std, role="embedding"),
-        blocks=blocks,
+        blocks=block_specs(cfg.num_dense_layers, False),
+        moe_blocks=block_specs(cfg.num_moe_layers, True),
         final_norm=norm((E, "embed")),
         lm_head=None
         if cfg.tie_embeddings
@@ -87,8 +110,20 @@ def param_specs(cfg: ModelConfig) -> TransformerParams:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Exact parameter count (from the spec tree; nothing is allocated)."""
+    """Exact parameter count (from the spec tree; nothing is allocated).
+
+    Includes MoE routers' selection biases (one number per expert per layer),
+    which are state rather than trained weights but live with the params.
+    """
     return count_params(param_specs(cfg))
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all but the routed experts it is not sent to."""
+    if cfg.moe is None:
+        return num_params(cfg)
+    idle = cfg.moe.num_experts - cfg.moe.experts_per_token
+    return num_params(cfg) - cfg.num_moe_layers * idle * expert_params_per_layer(cfg.moe, cfg.hidden_size)
 
 
 _REMAT_POLICIES = {
@@ -97,10 +132,11 @@ _REMAT_POLICIES = {
 }
 
 
-def _block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids) -> jax.Array:
+def attention_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids) -> jax.Array:
+    """x plus the attention branch of one block."""
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    # One matmul for Q, K and V (and one for gate and up below) instead of
+    # One matmul for Q, K and V (and one for gate and up in swiglu) instead of
     # three (two): wider matmuls run far closer to peak on CPU, and the
     # weight copy this costs is tiny next to the activations. The fused
     # layout [embed, kv_heads, group + 2, head_dim] keeps kv_heads outermost,
@@ -115,31 +151,42 @@ def _block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
     attn = layers.grouped_attention(q, k, v, segment_ids)
-    x = x + layers.dense(attn.reshape(*attn.shape[:2], -1), p.wo.reshape(-1, p.wo.shape[-1]))
+    return x + layers.dense(attn.reshape(*attn.shape[:2], -1), p.wo.reshape(-1, p.wo.shape[-1]))
+
+
+def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None):
+    """x plus the MLP branch of one block: (x, MoEStats or None)."""
     h = layers.rms_norm(x, p.mlp_norm, cfg.norm_eps)
-    return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down)
+    if p.moe is None:
+        return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down), None
+    y, stats = moe_mlp(h, p.moe, cfg.moe, mesh, rules)
+    return x + y, stats
 
 
-def hidden_states(
+def forward(
     params: TransformerParams,
     tokens: jax.Array,
     cfg: ModelConfig,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     activation_sharding=None,
-) -> jax.Array:
-    """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq].
+    rules=None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq], and MoE routing stats.
 
     Runs in the dtype of `params` (cast them first for mixed precision).
-    `activation_sharding` (a Sharding for [batch, seq, embed]) pins the residual
-    stream's layout at every block boundary, so the compiler cannot drift
-    into a layout that gathers the batch (the partitioner only sees shardings
-    of inputs and outputs otherwise).
+    `activation_sharding` (a NamedSharding for [batch, seq, embed]) pins the
+    residual stream's layout at every block boundary, so the compiler cannot
+    drift into a layout that gathers the batch (the partitioner only sees
+    shardings of inputs and outputs otherwise); with the mesh's logical-axis
+    `rules` it also makes MoE layers expert-parallel over that mesh. The
+    stats (None for a dense model) have a leading axis over MoE layers.
     """
 
     def constrain(x):
         return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
 
+    mesh = getattr(activation_sharding, "mesh", None) if rules is not None else None
     if positions is None:
         positions = jnp.arange(tokens.shape[1])[None, :]
     cos, sin = layers.rope_cos_sin(
@@ -148,12 +195,23 @@ def hidden_states(
     x = constrain(jnp.take(params.embed, tokens, axis=0))
 
     def body(x, p):
-        return constrain(_block(cfg, x, p, cos, sin, segment_ids)), None
+        x = attention_block(cfg, x, p, cos, sin, segment_ids)
+        x, stats = mlp_block(cfg, x, p, mesh, rules)
+        return constrain(x), stats
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params.blocks, unroll=min(cfg.scan_unroll, cfg.num_layers))
-    return layers.rms_norm(x, params.final_norm, cfg.norm_eps)
+    stats = None
+    for blocks, _ in params.stacks():
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        x, stats_n = jax.lax.scan(body, x, blocks, unroll=min(cfg.scan_unroll, n))
+        stats = stats_n if stats_n is not None else stats
+    return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
+
+
+def hidden_states(params: TransformerParams, tokens: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
+    """Final-norm hidden states [batch, seq, embed] (see `forward`)."""
+    return forward(params, tokens, cfg, **kw)[0]
 
 
 def output_weights(params: TransformerParams) -> jax.Array:
@@ -161,7 +219,14 @@ def output_weights(params: TransformerParams) -> jax.Array:
     return params.embed.T if params.lm_head is None else params.lm_head
 
 
+def logits_and_stats(
+    params: TransformerParams, tokens: jax.Array, cfg: ModelConfig, **kw
+) -> tuple[jax.Array, MoEStats | None]:
+    """Next-token logits [batch, seq, vocab] in fp32, and the MoE routing stats (see `forward`)."""
+    h, stats = forward(params, tokens, cfg, **kw)
+    return layers.dense(h, output_weights(params)).astype(jnp.float32), stats
+
+
 def logits(params: TransformerParams, tokens: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
     """Next-token logits [batch, seq, vocab] in fp32."""
-    h = hidden_states(params, tokens, cfg, **kw)
-    return layers.dense(h, output_weights(params)).astype(jnp.float32)
+    return logits_and_stats(params, tokens, cfg, **kw)[0]

@@ -12,21 +12,36 @@ import jax.numpy as jnp
 from shipyard.config import ModelConfig
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + attention scores and values.
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights one token is multiplied with: attention and MLP projections, active experts, router, head.
 
-    Matmul parameters exclude the embedding gather and norms (no matmul) but
-    include the output head (the embedding again when tied). Attention counts
-    QK^T and PV over the full seq x seq matrix (what XLA computes) in forward
-    (4 x seq x heads x head_dim per layer) and backward (twice that).
+    Excludes the embedding gather and norms (no matmul) but includes the
+    output head (the embedding again when tied). An MoE layer counts its
+    router, its top-k routed experts and its shared experts.
     """
-    per_layer = (
-        cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    )
-    matmul_params = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    dense = attn + 3 * cfg.hidden_size * cfg.intermediate_size
+    total = cfg.num_dense_layers * dense + cfg.hidden_size * cfg.vocab_size
+    if cfg.moe is not None:
+        m = cfg.moe
+        active = m.experts_per_token + m.num_shared_experts
+        moe = (
+            attn + cfg.hidden_size * m.num_experts + active * 3 * cfg.hidden_size * m.expert_intermediate_size
+        )
+        total += cfg.num_moe_layers * moe
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active matmul params + attention scores and values.
+
+    Attention counts QK^T and PV over the full seq x seq matrix (what XLA
+    computes) in forward (4 x seq x heads x head_dim per layer) and backward
+    (twice that). For MoE models this is the active-parameter count (the
+    convention for MoE MFU); the dispatch's gathers and sorts are not counted.
+    """
     attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-    return 6.0 * matmul_params + attention
+    return 6.0 * matmul_params_per_token(cfg) + attention
 
 
 def measure_matmul_peak(device: jax.Device | None = None, n: int = 1024, dtype=jnp.float32) -> float:

@@ -46,7 +46,7 @@ def lr_schedule(sched: ScheduleConfig, peak: float, total_steps: int):
 
 def decays(spec: ArraySpec, decay_embeddings: bool, decay_norms: bool) -> bool:
     """Whether weight decay applies: matrices and the head always; embeddings/norms by config."""
-    return spec.role in ("weight", "head") or (
+    return spec.role in ("weight", "head", "router") or (
         (spec.role == "embedding" and decay_embeddings) or (spec.role == "norm" and decay_norms)
     )
 
@@ -56,6 +56,10 @@ def weight_decay_mask(specs, decay_embeddings: bool, decay_norms: bool):
     return map_specs(lambda s: decays(s, decay_embeddings, decay_norms), specs)
 
 
+# Axes that stack independent matrices: Muon orthogonalises each slice on its own.
+_STACKED = ("layers", "experts")
+
+
 def _muon_factor(spec: ArraySpec) -> float:
     """Scale of an orthogonalised update: sqrt(max(1, fan_out / fan_in)).
 
@@ -63,12 +67,12 @@ def _muon_factor(spec: ArraySpec) -> float:
     the layer's output comparable across matrix shapes (Keller Jordan's Muon).
     """
     fan_in = math.prod(spec.shape[i] for i in spec.fan_in_axes)
-    fan_out = math.prod(n for n, a in zip(spec.shape, spec.logical_axes) if a != "layers") // fan_in
+    fan_out = math.prod(n for n, a in zip(spec.shape, spec.logical_axes) if a not in _STACKED) // fan_in
     return math.sqrt(max(1.0, fan_out / fan_in))
 
 
 def _muon(opt, specs) -> optax.GradientTransformation:
-    """Muon for hidden matrices (role `weight`), AdamW for embeddings, head and norms."""
+    """Muon for hidden matrices (role `weight`, experts included), AdamW for embeddings, head, norms and routers."""
     labels = map_specs(lambda s: "muon" if s.role == "weight" else "adam", specs)
 
     def only(label, fn):
@@ -76,7 +80,7 @@ def _muon(opt, specs) -> optax.GradientTransformation:
         return map_specs(lambda s, lab: fn(s) if lab == label else optax.MaskedNode(), specs, labels)
 
     def dims(spec):
-        batch = {i for i, a in enumerate(spec.logical_axes) if a == "layers"}
+        batch = {i for i, a in enumerate(spec.logical_axes) if a in _STACKED}
         out = tuple(i for i in range(len(spec.shape)) if i not in batch and i not in spec.fan_in_axes)
         return optax.contrib.MuonDimensionNumbers(reduction_axis=spec.fan_in_axes, output_axis=out)
 

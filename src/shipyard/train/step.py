@@ -7,7 +7,7 @@ It is jitted once by the trainer with explicit shardings and donated state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import optax
 
 from shipyard.config import Config
-from shipyard.model.transformer import TransformerParams, logits
+from shipyard.model.moe import MoEStats
+from shipyard.model.transformer import TransformerParams, logits, logits_and_stats
 from shipyard.train.loss import LossSums, loss_sums
 from shipyard.train.optim import lr_schedule
 
@@ -110,17 +111,20 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding=None):
-    """`gradients(params, batch, loss_scale) -> (grads, LossSums)`: full-batch gradient of the mean loss.
+def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding=None, rules=None):
+    """`gradients(params, batch, loss_scale) -> (grads, LossSums, MoEStats | None)`: full-batch gradient of the mean loss.
 
     With `train.microbatches > 1` the batch is processed in sequential slices
-    whose gradients add up to the same full-batch gradient. For fp16 the
-    returned gradients are still multiplied by `loss_scale`.
+    whose gradients add up to the same full-batch gradient (the MoE balance
+    losses, which are per-slice means, are averaged over slices). For fp16 the
+    returned gradients are still multiplied by `loss_scale`. The MoE stats
+    have a leading axis over MoE layers.
     """
     model, train = cfg.model, cfg.train
     compute = jnp.dtype(train.precision.compute_dtype)
     fp16 = compute == jnp.float16
     n_micro = train.microbatches
+    moe = model.moe
 
     def gradients(params, batch, loss_scale):
         tokens, mask = batch["tokens"], batch["loss_mask"]
@@ -129,30 +133,44 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding
         def objective(params, tok, msk):
             p = jax.tree.map(lambda x: x.astype(compute), params)
             inputs = tok[:, :-1]
-            out = logits(
+            out, stats = logits_and_stats(
                 p,
                 inputs,
                 model,
                 segment_ids=segment_ids(inputs, eos_id),
                 activation_sharding=activation_sharding,
+                rules=rules,
             )
             sums = loss_sums(out, tok[:, 1:], msk)
             # Normalise by the whole batch's token count so microbatch
             # gradients add up to exactly the full-batch gradient.
             loss = (sums.ce + train.z_loss * sums.z) / total_tokens
-            return loss * loss_scale if fp16 else loss, sums
+            if stats is not None:
+                stats = jax.tree.map(lambda v: v / n_micro, stats)
+                loss = (
+                    loss + moe.aux_loss * jnp.sum(stats.aux_loss) + moe.router_z_loss * jnp.sum(stats.z_loss)
+                )
+            return loss * loss_scale if fp16 else loss, (sums, stats)
 
-        grad_fn = jax.grad(objective, has_aux=True)
+        def grad_fn(params, tok, msk):
+            grads, (sums, stats) = jax.grad(objective, has_aux=True)(params, tok, msk)
+            return grads, sums, stats
+
         if n_micro == 1:
             return grad_fn(params, tokens, mask)
 
         def accumulate(carry, mb):
-            g, s = grad_fn(params, *mb)
-            return jax.tree.map(jnp.add, carry, (g, s)), None
+            return jax.tree.map(jnp.add, carry, grad_fn(params, *mb)), None
 
+        zero_stats = None
+        if moe is not None:
+            Lm, X = model.num_moe_layers, moe.num_experts
+            z = jnp.zeros((Lm,), jnp.float32)
+            zero_stats = MoEStats(load=jnp.zeros((Lm, X), jnp.float32), aux_loss=z, z_loss=z, dropped=z)
         zeros = (
             jax.tree.map(jnp.zeros_like, params),
             LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
+            zero_stats,
         )
         mbs = (_split_microbatches(tokens, n_micro), _split_microbatches(mask, n_micro))
         return jax.lax.scan(accumulate, zeros, mbs)[0]
@@ -160,21 +178,47 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding
     return gradients
 
 
+def _balance_router_bias(params: TransformerParams, stats: MoEStats, rate: float) -> TransformerParams:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower over-loaded."""
+    moe = params.moe_blocks.moe
+    bias = moe.router_bias + rate * jnp.sign(jnp.mean(stats.load, axis=-1, keepdims=True) - stats.load)
+    return replace(params, moe_blocks=replace(params.moe_blocks, moe=replace(moe, router_bias=bias)))
+
+
+def moe_metrics(stats: MoEStats) -> dict[str, jax.Array]:
+    """Per-step MoE metrics: per-layer expert load (fraction per expert), max/mean load, losses, drops."""
+    max_over_mean = jnp.max(stats.load, axis=-1) / jnp.mean(stats.load, axis=-1)
+    return {
+        "moe_aux_loss": jnp.mean(stats.aux_loss),
+        "moe_z_loss": jnp.mean(stats.z_loss),
+        "moe_dropped": jnp.mean(stats.dropped),
+        "moe_load_max_over_mean": jnp.max(max_over_mean),
+        "moe_layer_load_max_over_mean": max_over_mean,
+        "moe_expert_load": stats.load,
+    }
+
+
 def make_train_step(
-    cfg: Config, optimizer: optax.GradientTransformation, eos_id: int | None = None, activation_sharding=None
+    cfg: Config,
+    optimizer: optax.GradientTransformation,
+    eos_id: int | None = None,
+    activation_sharding=None,
+    rules=None,
 ):
     """Build the (unjitted) step function for this config.
 
     With `eos_id`, attention stops at documents' ends; `activation_sharding`
-    pins the residual stream's layout at block boundaries (see hidden_states).
+    pins the residual stream's layout at block boundaries and, with the mesh
+    `rules`, makes MoE layers expert-parallel (see transformer.forward).
     """
     train = cfg.train
     fp16 = train.precision.compute_dtype == "float16"
     schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
-    gradients = make_gradient_fn(cfg, eos_id, activation_sharding)
+    gradients = make_gradient_fn(cfg, eos_id, activation_sharding, rules)
+    bias_rate = cfg.model.moe.bias_update_rate if cfg.model.moe is not None else 0.0
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, sums = gradients(state.params, batch, state.loss_scale)
+        grads, sums, stats = gradients(state.params, batch, state.loss_scale)
         total_tokens = jnp.maximum(sums.tokens, 1.0)
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
@@ -186,7 +230,10 @@ def make_train_step(
         def apply(_):
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             updates = jax.tree.map(lambda u: lr * u, updates)
-            return optax.apply_updates(state.params, updates), opt_state, optax.tree.norm(updates)
+            params = optax.apply_updates(state.params, updates)
+            if bias_rate > 0:
+                params = _balance_router_bias(params, stats, bias_rate)
+            return params, opt_state, optax.tree.norm(updates)
 
         def skip(_):
             return state.params, state.opt_state, jnp.zeros((), jnp.float32)
@@ -229,12 +276,14 @@ def make_train_step(
             "nonfinite_total": new_state.nonfinite,
             "nonfinite_run": new_state.nonfinite_run,
         }
+        if stats is not None:
+            metrics.update(moe_metrics(stats))
         return new_state, metrics
 
     return step
 
 
-def make_eval_step(cfg: Config, eos_id: int | None = None, activation_sharding=None):
+def make_eval_step(cfg: Config, eos_id: int | None = None, activation_sharding=None, rules=None):
     """`eval_step(params, tokens) -> (sum of token losses, token count)`: forward only, compute dtype."""
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
 
@@ -247,6 +296,7 @@ def make_eval_step(cfg: Config, eos_id: int | None = None, activation_sharding=N
             cfg.model,
             segment_ids=segment_ids(inputs, eos_id),
             activation_sharding=activation_sharding,
+            rules=rules,
         )
         sums = loss_sums(out, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
         return sums.ce, sums.tokens

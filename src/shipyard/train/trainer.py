@@ -18,7 +18,7 @@ from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, devic
 from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
-from shipyard.model.transformer import num_params, param_specs
+from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.parallel import distributed
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
@@ -201,13 +201,13 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
 
     micro = activations(batch_size // cfg.train.microbatches)
     step_fn = jax.jit(
-        make_train_step(cfg, optimizer, eos_id, micro),
+        make_train_step(cfg, optimizer, eos_id, micro, rules),
         in_shardings=(state_shardings, {"tokens": batch_sharding, "loss_mask": batch_sharding}),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
     eval_fn = jax.jit(
-        make_eval_step(cfg, eos_id, activations(batch_size)),
+        make_eval_step(cfg, eos_id, activations(batch_size), rules),
         in_shardings=(state_shardings.params, batch_sharding),
     )
 
@@ -216,7 +216,9 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
     flops_tok = flops_per_token(cfg.model, seq_len)
     tokens_per_step = batch_size * seq_len
     say(
-        f"shipyard: {num_params(cfg.model):,} params, {len(devices)} {devices[0].platform} device(s)"
+        f"shipyard: {num_params(cfg.model):,} params"
+        f"{f' ({num_active_params(cfg.model):,} active)' if cfg.model.moe is not None else ''}, "
+        f"{len(devices)} {devices[0].platform} device(s)"
         f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
         f"mesh {dict(mesh.shape)}, run dir {run_dir}"
     )
