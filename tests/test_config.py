@@ -95,11 +95,13 @@ def test_every_field_has_a_docstring():
     assert not missing, missing
 
 
-def test_config_show_ends_with_exact_param_count(capsys):
+def test_config_show_ends_with_exact_param_count_and_flops(capsys):
     assert main(["config", "show", "tiny", "model.num_layers=3"]) == 0
     out = capsys.readouterr().out
     last = out.rstrip().splitlines()[-1]
-    assert last == f"# parameters: {num_params(load_config('tiny', ['model.num_layers=3']).model)}"
+    n = num_params(load_config("tiny", ["model.num_layers=3"]).model)
+    assert f"# parameters: {n} (" in out and f"# active parameters per token: {n} (" in out
+    assert last.startswith("# training FLOPs per token at seq_len 128: ")
 
 
 def test_cli_bad_value_is_one_line_exit_2_no_traceback():
