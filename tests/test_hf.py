@@ -1,6 +1,7 @@
 """HF Llama interop: export loads in transformers with the same logits; import gives the same logits."""
 
 import json
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,77 @@ def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_toke
     _, _, again = load_run_params(cont)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+MIXTRAL = [
+    "model.moe.num_shared_experts=0",
+    "model.moe.first_dense_layers=0",
+    "model.moe.experts_per_token=3",
+]
+
+
+def _mixtral_params(cfg):
+    params = _random_params(cfg)
+    moe = params.moe_blocks.moe
+    # Mixtral routing has no selection bias; a trained shipyard router_bias must be zero to export.
+    return replace(
+        params, moe_blocks=replace(params.moe_blocks, moe=replace(moe, router_bias=0 * moe.router_bias))
+    )
+
+
+def test_mixtral_export_loads_in_transformers_with_equal_logits(tmp_path):
+    cfg = load_config("moe-tiny", MIXTRAL).model
+    params = _mixtral_params(cfg)
+    write_safetensors(to_hf_tensors(params, cfg), tmp_path)
+    config = hf_config(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(_tokens())).logits.numpy()
+    ours = np.asarray(logits(params, jnp.asarray(_tokens()), cfg))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    back = from_hf_tensors(read_safetensors(tmp_path), model_config_from_hf(config))
+    assert back.blocks is None
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), b)
+
+
+def test_mixtral_import_of_a_transformers_model_gives_its_logits(tmp_path):
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    cfg = model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe.expert_intermediate_size) == (4, 2, 40)
+    params = from_hf_tensors(read_safetensors(tmp_path), cfg)
+    tokens = np.random.default_rng(4).integers(0, 300, (2, 20))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(
+        np.asarray(logits(params, jnp.asarray(tokens), cfg)), theirs, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_moe_export_refuses_what_mixtral_cannot_represent():
+    cfg = load_config("moe-tiny").model  # one shared expert, a leading dense layer
+    with pytest.raises(DataError, match="1 shared experts .*first_dense_layers=1"):
+        hf_config(cfg)
+    cfg = load_config("moe-tiny", MIXTRAL).model
+    with pytest.raises(DataError, match="selection bias"):
+        to_hf_tensors(_random_params(cfg), cfg)

@@ -1,4 +1,12 @@
-"""Hugging Face Llama-format checkpoints: shipyard params <-> safetensors + config.json.
+"""Hugging Face Llama / Mixtral checkpoints: shipyard params <-> safetensors + config.json.
+
+Dense models map to LlamaForCausalLM; mixture-of-experts models to
+MixtralForCausalLM, which represents ours exactly when routing is Mixtral's
+(softmax scores, top-k weights renormalised, no shared experts, every layer
+MoE, no selection bias). Other MoE shapes (shared experts, sigmoid routing,
+leading dense layers: DeepSeek-V3 style) are refused at export with the reason:
+the HF architecture that has them (DeepseekV3) also changes attention (MLA),
+so it cannot hold our GQA layers.
 
 The mapping is exact: HF's Llama stores projections as [out, in] matrices
 with heads flattened into the out (q, k, v) or in (o) dimension; shipyard keeps
@@ -17,18 +25,38 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.config import ModelConfig, RopeScaling
+from shipyard.config import ModelConfig, MoEConfig, RopeScaling
 from shipyard.errors import DataError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+
+
+def _check_mixtral(cfg: ModelConfig) -> None:
+    m = cfg.moe
+    bad = [
+        (m.score != "softmax", f"score={m.score} (Mixtral: softmax)"),
+        (not m.normalize_weights, "normalize_weights=false (Mixtral renormalises the top-k weights)"),
+        (m.routed_scale != 1.0, f"routed_scale={m.routed_scale} (Mixtral: 1)"),
+        (m.num_shared_experts > 0, f"{m.num_shared_experts} shared experts (Mixtral has none)"),
+        (m.first_dense_layers > 0, f"first_dense_layers={m.first_dense_layers} (Mixtral: every layer MoE)"),
+    ]
+    reasons = [why for cond, why in bad if cond]
+    if reasons:
+        raise DataError(
+            "export hf: this MoE has no exact Hugging Face architecture: "
+            + "; ".join(reasons)
+            + " (only Mixtral-style MoE exports; DeepseekV3 has these features but MLA attention)"
+        )
 
 
 def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for LlamaForCausalLM."""
+    """config.json for LlamaForCausalLM (dense) or MixtralForCausalLM (MoE)."""
     if cfg.qk_norm:
         raise DataError(
             "export hf: models with qk_norm have no Llama equivalent (Llama has no query/key norms)"
         )
+    if cfg.moe is not None:
+        _check_mixtral(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
@@ -64,6 +92,18 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "rope_scaling": None if cfg.rope_scaling is None else rope,
         "rope_parameters": rope,
     }
+    if cfg.moe is not None:
+        out.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            intermediate_size=cfg.moe.expert_intermediate_size,
+            num_local_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.experts_per_token,
+            router_aux_loss_coef=cfg.moe.aux_loss,
+            output_router_logits=False,
+            sliding_window=None,
+        )
+        out.pop("mlp_bias")
     if bos_id is not None:
         out["bos_token_id"] = bos_id
     if eos_id is not None:
@@ -81,7 +121,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
             raise DataError(f"import hf: {where} has {key}=true; shipyard's Llama has no biases")
     if config.get("hidden_act", "silu") != "silu":
         raise DataError(f"import hf: {where} has hidden_act={config['hidden_act']!r}; expected silu")
-    if config.get("sliding_window") and arch == "MistralForCausalLM":
+    if config.get("sliding_window") and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = config["sliding_window"]
         if window < config.get("max_position_embeddings", 0):
             raise DataError(
@@ -101,6 +141,14 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
     elif kind not in ("default", None):
         raise DataError(f"import hf: {where} uses rope_type={kind!r}; supported: default, llama3")
     heads = config["num_attention_heads"]
+    moe = None
+    if arch == "MixtralForCausalLM":
+        moe = MoEConfig(
+            num_experts=config["num_local_experts"],
+            experts_per_token=config["num_experts_per_tok"],
+            expert_intermediate_size=config["intermediate_size"],
+            aux_loss=config.get("router_aux_loss_coef", 0.01),
+        )
     return ModelConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -114,35 +162,59 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         rope_scaling=scaling,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        moe=moe,
     )
 
 
+def _layer_slices(params):
+    """(stacked blocks, index within the stack) for every layer, in order."""
+    return [(blocks, j) for blocks, _ in params.stacks() for j in range(blocks.attn_norm.shape[0])]
+
+
 def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF Llama state dict (numpy, fp32) from shipyard params (any array type)."""
+    """HF Llama / Mixtral state dict (numpy, fp32) from shipyard params (any array type)."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b = params.blocks
+    if cfg.moe is not None:
+        _check_mixtral(cfg)
     out = {
         "model.embed_tokens.weight": np.asarray(params.embed),
         "model.norm.weight": np.asarray(params.final_norm),
     }
-    for i in range(cfg.num_layers):
+    for i, (b, j) in enumerate(_layer_slices(params)):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = np.asarray(b.attn_norm[i])
-        out[p + "post_attention_layernorm.weight"] = np.asarray(b.mlp_norm[i])
-        out[p + "self_attn.q_proj.weight"] = np.asarray(b.wq[i]).reshape(E, H * D).T
-        out[p + "self_attn.k_proj.weight"] = np.asarray(b.wk[i]).reshape(E, K * D).T
-        out[p + "self_attn.v_proj.weight"] = np.asarray(b.wv[i]).reshape(E, K * D).T
-        out[p + "self_attn.o_proj.weight"] = np.asarray(b.wo[i]).reshape(H * D, E).T
-        out[p + "mlp.gate_proj.weight"] = np.asarray(b.w_gate[i]).T
-        out[p + "mlp.up_proj.weight"] = np.asarray(b.w_up[i]).T
-        out[p + "mlp.down_proj.weight"] = np.asarray(b.w_down[i]).T
+        out[p + "input_layernorm.weight"] = np.asarray(b.attn_norm[j])
+        out[p + "post_attention_layernorm.weight"] = np.asarray(b.mlp_norm[j])
+        out[p + "self_attn.q_proj.weight"] = np.asarray(b.wq[j]).reshape(E, H * D).T
+        out[p + "self_attn.k_proj.weight"] = np.asarray(b.wk[j]).reshape(E, K * D).T
+        out[p + "self_attn.v_proj.weight"] = np.asarray(b.wv[j]).reshape(E, K * D).T
+        out[p + "self_attn.o_proj.weight"] = np.asarray(b.wo[j]).reshape(H * D, E).T
+        if b.moe is None:
+            out[p + "mlp.gate_proj.weight"] = np.asarray(b.w_gate[j]).T
+            out[p + "mlp.up_proj.weight"] = np.asarray(b.w_up[j]).T
+            out[p + "mlp.down_proj.weight"] = np.asarray(b.w_down[j]).T
+            continue
+        if np.any(np.asarray(b.moe.router_bias[j])):
+            raise DataError(
+                "export hf: the router's selection bias (aux-loss-free balancing) is non-zero; "
+                "Mixtral routing has no bias, so the exported model would route differently"
+            )
+        # Mixtral on disk: block_sparse_moe.gate [experts, embed]; experts.N.w1 (gate) and
+        # w3 (up) [F, embed], w2 (down) [embed, F] (transformers 5 fuses them when loading).
+        out[p + "block_sparse_moe.gate.weight"] = np.asarray(b.moe.router[j]).T
+        gate, up, down = (np.asarray(w[j]) for w in (b.moe.w_gate, b.moe.w_up, b.moe.w_down))
+        for x in range(gate.shape[0]):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            out[q + "w1.weight"] = gate[x].T
+            out[q + "w3.weight"] = up[x].T
+            out[q + "w2.weight"] = down[x].T
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params.lm_head).T
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
 def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
-    """shipyard params (numpy fp32) from an HF Llama state dict; names and shapes are checked."""
+    """shipyard params (numpy fp32) from an HF Llama / Mixtral state dict; names and shapes are checked."""
+    from shipyard.model.moe import MoEParams
     from shipyard.model.transformer import BlockParams, TransformerParams
 
     E, H, K, D, M, L = (
@@ -170,23 +242,60 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str
         return np.stack([transform(get(fmt.format(i), shape)) for i in range(L)])
 
     p = "model.layers.{}."
-    blocks = BlockParams(
-        attn_norm=stack(p + "input_layernorm.weight", (E,), lambda t: t),
-        wq=stack(p + "self_attn.q_proj.weight", (H * D, E), lambda t: t.T.reshape(E, H, D)),
-        wk=stack(p + "self_attn.k_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
-        wv=stack(p + "self_attn.v_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
-        wo=stack(p + "self_attn.o_proj.weight", (E, H * D), lambda t: t.T.reshape(H, D, E)),
-        q_norm=None,
-        k_norm=None,
-        mlp_norm=stack(p + "post_attention_layernorm.weight", (E,), lambda t: t),
-        w_gate=stack(p + "mlp.gate_proj.weight", (M, E), lambda t: t.T),
-        w_up=stack(p + "mlp.up_proj.weight", (M, E), lambda t: t.T),
-        w_down=stack(p + "mlp.down_proj.weight", (E, M), lambda t: t.T),
-    )
+
+    def attention(mlp: dict) -> BlockParams:
+        return BlockParams(
+            attn_norm=stack(p + "input_layernorm.weight", (E,), lambda t: t),
+            wq=stack(p + "self_attn.q_proj.weight", (H * D, E), lambda t: t.T.reshape(E, H, D)),
+            wk=stack(p + "self_attn.k_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+            wv=stack(p + "self_attn.v_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+            wo=stack(p + "self_attn.o_proj.weight", (E, H * D), lambda t: t.T.reshape(H, D, E)),
+            q_norm=None,
+            k_norm=None,
+            mlp_norm=stack(p + "post_attention_layernorm.weight", (E,), lambda t: t),
+            **mlp,
+        )
+
+    if cfg.moe is None:
+        dense = attention(
+            dict(
+                w_gate=stack(p + "mlp.gate_proj.weight", (M, E), lambda t: t.T),
+                w_up=stack(p + "mlp.up_proj.weight", (M, E), lambda t: t.T),
+                w_down=stack(p + "mlp.down_proj.weight", (E, M), lambda t: t.T),
+            )
+        )
+        moe_blocks = None
+    else:
+        X, F = cfg.moe.num_experts, cfg.moe.expert_intermediate_size
+        q = p + "block_sparse_moe."
+
+        def experts(name: str, shape: tuple) -> np.ndarray:
+            return np.stack(
+                [
+                    np.stack([get(f"{q.format(i)}experts.{x}.{name}.weight", shape).T for x in range(X)])
+                    for i in range(L)
+                ]
+            )
+
+        moe = MoEParams(
+            router=stack(q + "gate.weight", (X, E), lambda t: t.T),
+            router_bias=np.zeros((L, X), np.float32),
+            w_gate=experts("w1", (F, E)),
+            w_up=experts("w3", (F, E)),
+            w_down=experts("w2", (E, F)),
+            shared_gate=None,
+            shared_up=None,
+            shared_down=None,
+        )
+        dense, moe_blocks = None, attention(dict(w_gate=None, w_up=None, w_down=None, moe=moe))
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, E))
     lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (cfg.vocab_size, E)).T
     return TransformerParams(
-        embed=embed, blocks=blocks, final_norm=get("model.norm.weight", (E,)), lm_head=lm_head
+        embed=embed,
+        blocks=dense,
+        final_norm=get("model.norm.weight", (E,)),
+        lm_head=lm_head,
+        moe_blocks=moe_blocks,
     )
 
 
@@ -280,7 +389,7 @@ def load_run_params(run_dir: Path, step: int | None = None):
 
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = 5 << 30) -> dict:
-    """Write a transformers-loadable Llama directory for a run's checkpoint (atomically)."""
+    """Write a transformers-loadable Llama (or Mixtral) directory for a run's checkpoint (atomically)."""
     import shutil
 
     from shipyard.data.stage import stage_output
@@ -319,7 +428,7 @@ def _tokenizer_of(cfg) -> Path | None:
 
 
 def import_hf(hf_dir: Path, out: Path) -> dict:
-    """An HF Llama/Mistral safetensors directory -> <out>/params (Orbax) + <out>/config.yaml to train from."""
+    """An HF Llama / Mistral / Mixtral safetensors directory -> <out>/params (Orbax) + <out>/config.yaml to train from."""
     import shutil
 
     import orbax.checkpoint as ocp
