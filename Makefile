@@ -49,6 +49,7 @@ format: install
 bench: install
 	$(BIN)/python bench/train_throughput.py
 	$(BIN)/python bench/data_throughput.py
+	$(BIN)/python bench/moe_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -9,7 +9,7 @@ Runs, each in its own child process with the same environment:
   active parameters and FLOPs per token): what the MoE costs over dense.
 
 MFU counts active-parameter FLOPs (train.metrics.flops_per_token) against the
-measured fp32 matmul peak of this machine, as the trainer does.
+fp32 matmul peak of this machine, measured once in its own child process.
 
     .venv/bin/python bench/moe_throughput.py [--steps 6] [--rounds 3] [--out bench/results/moe_throughput.json]
 """
@@ -55,7 +55,7 @@ def run_variant(name: str, steps: int, rounds: int) -> dict:
     from shipyard.config import load_config
     from shipyard.model.params import init_params
     from shipyard.model.transformer import num_active_params, num_params, param_specs
-    from shipyard.train.metrics import flops_per_token, measure_matmul_peak
+    from shipyard.train.metrics import flops_per_token
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state, make_train_step
 
@@ -80,7 +80,6 @@ def run_variant(name: str, steps: int, rounds: int) -> dict:
         times.append((time.perf_counter() - t) / steps)
     sec = statistics.median(times)
     tok_s = B * S / sec
-    peak = measure_matmul_peak()
     return {
         "variant": name,
         "params": num_params(cfg.model),
@@ -88,8 +87,7 @@ def run_variant(name: str, steps: int, rounds: int) -> dict:
         "tokens_per_step": B * S,
         "step_s": sec,
         "tokens_per_s": tok_s,
-        "mfu": tok_s * flops_per_token(cfg.model, S) / peak,
-        "matmul_peak_flops": peak,
+        "flops_per_token": flops_per_token(cfg.model, S),
         "compile_s": compile_s,
         "loss": float(m["loss"]),
     }
@@ -102,24 +100,29 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/moe_throughput.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child == "peak":
+        from shipyard.train.metrics import measure_matmul_peak
+
+        print(json.dumps(measure_matmul_peak()))
+        return
     if args.child:
         print(json.dumps(run_variant(args.child, args.steps, args.rounds)))
         return
+
+    def child(name: str):
+        cmd = [sys.executable, __file__, "--child", name]
+        cmd += ["--steps", str(args.steps), "--rounds", str(args.rounds)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    # One peak for every variant, so their MFUs differ only by their own speed.
+    peak = child("peak")
+    print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
     results = []
     for name in VARIANTS:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            name,
-            "--steps",
-            str(args.steps),
-            "--rounds",
-            str(args.rounds),
-        ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
-        r = results[-1]
+        r = child(name)
+        r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak
+        results.append(r)
         print(
             f"{name:22s} {r['tokens_per_s']:10,.0f} tok/s  MFU {r['mfu']:6.1%}  "
             f"({r['active_params']:,} active of {r['params']:,} params; compile {r['compile_s']:.1f} s)"
@@ -137,6 +140,7 @@ def main() -> None:
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "matmul_peak_flops": peak,
         "results": results,
         "summary": summary,
     }
