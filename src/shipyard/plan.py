@@ -1,0 +1,558 @@
+"""Plan before you rent: memory, FLOPs and time of a config on a mesh, analytic and compiled.
+
+Analytic: parameters (total, active) from the spec tree; bytes per device of
+params, gradients and optimizer state under the sharding rules (each array's
+shard is its size over the mesh axes its logical axes map to); activations
+from the remat policy and microbatch; FLOPs per token (6 x active matmul
+params + attention, the PaLM convention, `train.metrics.flops_per_token`);
+step time at a stated MFU.
+
+Compiled: the real train step lowered with abstract inputs
+(`jax.ShapeDtypeStruct`s carrying the mesh's shardings; nothing allocated) on
+fake CPU devices of the same count, in a child process (the device count is
+fixed when JAX starts), and XLA's memory analysis (arguments, temporaries,
+outputs) and cost analysis. `--compiled-layers N` compiles N layers (plus the
+leading dense ones) and extrapolates per-layer costs linearly, saying so.
+
+Byte accounting of shipyard's precision policy, per parameter: fp32 master
+params (4), fp32 gradients (4: the gradient of an fp32 param), and AdamW's
+two fp32 moments (8), 16 in all (Muon matrices keep one moment: 12). The
+often-quoted 8B x (2 + 2 + 8) = 96 GB assumes bf16 params and gradients;
+the plan's `bytes_per_param` shows which terms differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from shipyard.config import Config, MeshConfig
+from shipyard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator model: what the planner divides by."""
+
+    name: str
+    memory_bytes: float
+    """HBM per device."""
+    peak_flops: float
+    """Dense bf16 peak FLOP/s per device (fp32 on CPU)."""
+
+
+DEVICES = {
+    "h100": Device("h100", 80 * 2**30, 989e12),
+    "h200": Device("h200", 141 * 2**30, 989e12),
+    "a100": Device("a100", 80 * 2**30, 312e12),
+    "tpu-v5p": Device("tpu-v5p", 95 * 2**30, 459e12),
+    "cpu": Device("cpu", 24 * 2**30, 150e9),
+}
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '141 GB', '1.5e9' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS or value <= 0:
+        raise ConfigError(f"--device-memory: {text!r} is not a size; expected e.g. 80GiB, 141GB or 8e10")
+    return value * _UNITS[unit]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,fsdp=8,expert=4' -> sizes of all four axes (unnamed ones are 1)."""
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(
+                f"--mesh: {part!r} is not axis=size; expected e.g. data=2,fsdp=8,tensor=1,expert=4 "
+                "with axes data, fsdp, tensor, expert and positive sizes"
+            )
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+class _MeshShape:
+    """Just the axis sizes, which is all the sharding rules look at (no devices needed)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.shape = sizes
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ----------------------------------------------------------------------------- analytic
+
+
+def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """Per-device bytes of params, gradients and optimizer state under the sharding rules."""
+    import jax
+
+    from shipyard.model.params import is_spec
+    from shipyard.model.transformer import param_specs
+    from shipyard.parallel.mesh import logical_to_pspec, rules_for
+
+    mesh, rules = _MeshShape(sizes), rules_for(cfg.mesh)
+    params = opt = 0.0
+    for spec in jax.tree.leaves(param_specs(cfg.model), is_leaf=is_spec):
+        pspec = logical_to_pspec(spec.logical_axes, spec.shape, mesh, rules)
+        split = math.prod(
+            sizes[a] for entry in pspec if entry for a in ((entry,) if isinstance(entry, str) else entry)
+        )
+        local = spec.size / split
+        params += local
+        muon_matrix = cfg.train.optimizer.name == "muon" and spec.role == "weight"
+        opt += local * (4.0 if muon_matrix else 8.0)
+    return {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": opt, "params_count_local": params}
+
+
+def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md)."""
+    m = cfg.model
+    c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
+    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    b = cfg.train.global_batch_size / cfg.train.microbatches / batch_split
+    S, E, D = cfg.data.seq_len, m.hidden_size, m.head_dim
+    t = sizes["tensor"]
+    H, K = m.num_heads / t, m.num_kv_heads / t
+
+    def layer(mlp_width: float) -> tuple[float, float]:
+        """(all intermediates of one layer, the matmul outputs among them) per token, bytes."""
+        attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + H * S * (4 + c)
+        dots = c * ((H + 2 * K) * D + 2 * E)
+        mlp = c * 3 * mlp_width
+        return attn + mlp, dots + c * 2 * mlp_width
+
+    dense = layer(m.intermediate_size / t)
+    layers = [dense] * m.num_dense_layers
+    if m.moe is not None:
+        e = m.moe
+        # Routed rows (k copies of the token, their gate/up/act) plus the shared experts.
+        width = (
+            e.experts_per_token * e.expert_intermediate_size
+            + e.num_shared_experts * e.expert_intermediate_size
+        ) / t
+        full, dots = layer(width)
+        # Expert parallelism all-gathers the group's tokens (ep x E) before sorting k copies of them.
+        dispatch = c * E * (sizes["expert"] + 2 * e.experts_per_token)
+        layers += [(full + dispatch, dots + c * e.experts_per_token * E)] * m.num_moe_layers
+    tokens = b * S
+    peak_layer = max(full for full, _ in layers)
+    if m.remat == "full":
+        saved = len(layers) * c * E + peak_layer
+    elif m.remat == "save_dots":
+        saved = sum(d for _, d in layers) + peak_layer
+    else:
+        saved = sum(f for f, _ in layers)
+    logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
+    return {"activations": tokens * saved, "logits": tokens * logits, "microbatch_tokens_per_device": tokens}
+
+
+def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None, mfu: float) -> dict:
+    """The analytic plan as a dict (all byte figures per device)."""
+    from shipyard.model.transformer import num_active_params, num_params
+    from shipyard.train.metrics import flops_per_token
+
+    n_dev = math.prod(sizes.values())
+    state = _state_bytes(cfg, sizes)
+    act = _activation_bytes(cfg, sizes)
+    # A compute-dtype copy of the (sharded) params exists during the step for bf16/fp16.
+    copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else state["params"] / 2
+    total = state["params"] + state["grads"] + state["optimizer"] + copy + act["activations"] + act["logits"]
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+    step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu)
+    out = {
+        "devices": n_dev,
+        "mesh": sizes,
+        "device": asdict(device),
+        "params_total": num_params(cfg.model),
+        "params_active": num_active_params(cfg.model),
+        # shipyard's policy (module doc); optimizer: 8 for AdamW, between 4 and 8 with Muon.
+        "bytes_per_param": {
+            "params": 4.0,
+            "grads": 4.0,
+            "optimizer": state["optimizer"] / max(state["params_count_local"], 1.0),
+        },
+        "bytes": {
+            "params": state["params"],
+            "grads": state["grads"],
+            "optimizer": state["optimizer"],
+            "compute_copy": copy,
+            "activations": act["activations"],
+            "logits": act["logits"],
+            "total": total,
+        },
+        "microbatch_tokens_per_device": act["microbatch_tokens_per_device"],
+        "flops_per_token": flops_tok,
+        "flops_per_step": flops_tok * step_tokens,
+        "mfu": mfu,
+        "step_seconds": step_s,
+        "tokens_per_second": step_tokens / step_s,
+    }
+    if tokens is not None:
+        seconds = tokens / out["tokens_per_second"]
+        out.update(token_budget=tokens, days=seconds / 86400, device_hours=seconds * n_dev / 3600)
+    return out
+
+
+def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
+    """(fits, advice): plainly whether the peak fits in `memory` (with 10% headroom), and what to change.
+
+    The advice is concrete: the fsdp size at which the train state takes at
+    most 60% of a device, remat=full if it is not on, and the number of
+    microbatches at which the activations fit beside the state (activations
+    scale with the tokens of one microbatch).
+    """
+    compiled = plan.get("compiled") or {}
+    peak = compiled.get("peak_bytes", 0) if compiled.get("peak_bytes", 0) > 0 else plan["bytes"]["total"]
+    budget = 0.9 * memory
+    if peak <= budget:
+        return True, []
+    b, sizes, advice = plan["bytes"], plan["mesh"], []
+    state = b["params"] + b["grads"] + b["optimizer"] + b["compute_copy"]
+    if state > 0.6 * memory:
+        need = 2 ** math.ceil(math.log2(sizes["fsdp"] * state / (0.6 * memory)))
+        advice.append(
+            f"params+grads+optimizer take {_fmt(state)} per device: shard them over more devices "
+            f"(mesh fsdp={need} or more, now {sizes['fsdp']}; or more expert parallelism for MoE)"
+        )
+        state = 0.6 * memory
+    act = peak - state if compiled else b["activations"] + b["logits"]
+    room = budget - state
+    if act > room:
+        if cfg.model.remat != "full":
+            advice.append(f"set model.remat=full (now {cfg.model.remat}): keep only each layer's input")
+        per_device = cfg.train.global_batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+        factor = cfg.train.microbatches * act / max(room, 1.0)
+        options = [n for n in range(1, per_device + 1) if per_device % n == 0 and n >= factor]
+        if options:
+            advice.append(
+                f"activations take {_fmt(act)} with {room / 2**30:.1f} GiB left: "
+                f"train.microbatches={options[0]} (now {cfg.train.microbatches})"
+            )
+        else:
+            advice.append(
+                f"activations take {_fmt(act)} even one sequence per device at a time: shorter "
+                "data.seq_len, tensor parallelism, or more devices"
+            )
+    return False, advice
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
+    """Runs inside a process started with as many fake CPU devices as the mesh has."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shipyard.config import build_config, read_yaml
+    from shipyard.model.params import param_shardings
+    from shipyard.model.transformer import param_specs
+    from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.step import make_train_step
+    from shipyard.train.trainer import _abstract_state
+
+    cfg = build_config(read_yaml(cfg_yaml, "plan config"))
+    mesh = make_mesh(cfg.mesh)
+    rules = rules_for(cfg.mesh)
+    specs = param_specs(cfg.model)
+    shardings = param_shardings(specs, mesh, rules)
+    optimizer = build_optimizer(cfg.train, specs)
+    state = _abstract_state(cfg, specs, shardings, optimizer)
+    B, S = cfg.train.global_batch_size, cfg.data.seq_len
+    batch_spec = logical_to_pspec(("batch", "seq"), (B, S + 1), mesh, rules)
+    bs = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
+    batch = {
+        "tokens": jax.ShapeDtypeStruct((B, S + 1), jnp.int32, sharding=bs),
+        "loss_mask": jax.ShapeDtypeStruct((B, S), jnp.float32, sharding=bs),
+    }
+    micro = B // cfg.train.microbatches
+    act = NamedSharding(
+        mesh, logical_to_pspec(("batch", "seq", "embed"), (micro, S, cfg.model.hidden_size), mesh, rules)
+    )
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(
+        make_train_step(cfg, optimizer, None, act, rules),
+        in_shardings=(state_shardings, {"tokens": bs, "loss_mask": bs}),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
+    compiled = step.lower(state, batch).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    state_bytes = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
+    )
+    params_bytes = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state.params)
+    )
+    return {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        # Donated state aliases the outputs, so the peak is arguments + temporaries
+        # + whatever output is not an alias (the metrics).
+        "peak_bytes": mem.argument_size_in_bytes
+        + mem.temp_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes,
+        "state_bytes": state_bytes,
+        "params_bytes": params_bytes,
+        "optimizer_bytes": state_bytes - params_bytes,
+        "flops_per_device": float(cost.get("flops", 0.0)) if cost else 0.0,
+    }
+
+
+def _run_child(cfg: Config, sizes: dict[str, int]) -> dict:
+    from shipyard.config import to_yaml
+
+    n = math.prod(sizes.values())
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    payload = json.dumps({"config": to_yaml(cfg), "mesh": sizes})
+    proc = subprocess.run(
+        [sys.executable, "-m", "shipyard.plan", "--child"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ConfigError(f"plan: compiling the train step on {n} fake CPU devices failed: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> dict:
+    """Compiled memory/cost analysis per device; with `layers`, from two reduced depths, extrapolated."""
+    m = cfg.model
+    if layers is None or m.num_dense_layers + 3 * layers >= m.num_layers:
+        out = _run_child(cfg, sizes)
+        out["extrapolated"] = False
+        return out
+    # Two depths that keep the leading dense layers and scan at least two MoE layers
+    # (a one-trip scan is compiled differently): per-layer cost = their difference.
+    lo, hi = m.num_dense_layers + 2 * layers, m.num_dense_layers + 3 * layers
+    runs = [
+        _run_child(cfg.model_copy(update={"model": m.model_copy(update={"num_layers": n})}), sizes)
+        for n in (lo, hi)
+    ]
+    out = {}
+    for key, a in runs[0].items():
+        # XLA's buffer reuse is not exactly linear in depth; never extrapolate a shrink.
+        per = max((runs[1][key] - a) / (hi - lo), 0.0)
+        out[key] = runs[1][key] + per * (m.num_layers - hi)
+    out["extrapolated"] = True
+    out["compiled_layers"] = [lo, hi]
+    return out
+
+
+def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None = None, mfu: float = 0.4,
+         compile_layers: int | None = None, with_compiled: bool = True) -> dict:  # fmt: skip
+    """Analytic plan (+ compiled analysis) + verdict for `cfg` on a mesh of `sizes`."""
+    cfg = cfg.model_copy(update={"mesh": MeshConfig(**sizes, rules=cfg.mesh.rules)})
+    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if cfg.train.global_batch_size % (cfg.train.microbatches * batch_split):
+        raise ConfigError(
+            f"train.global_batch_size: {cfg.train.global_batch_size} does not split into "
+            f"{cfg.train.microbatches} microbatches over data x fsdp x expert = {batch_split} devices"
+        )
+    out = analytic(cfg, sizes, device, tokens, mfu)
+    if with_compiled:
+        target = cfg
+        moe = cfg.model.moe
+        if moe is not None and moe.capacity_factor is None and device.name != "cpu":
+            # XLA CPU lowers a dropless grouped matmul either as every expert on every
+            # row (ragged_dot) or with per-block weight copies (blocked); neither is what
+            # a GPU/TPU grouped GEMM allocates. Capacity buffers of 1.25 x the routed rows are.
+            model = cfg.model.model_copy(update={"moe": moe.model_copy(update={"capacity_factor": 1.25})})
+            target = cfg.model_copy(update={"model": model})
+        out["compiled"] = compiled(target, sizes, compile_layers)
+        out["compiled"]["moe_stand_in"] = target is not cfg
+    fits, advice = verdict(out, device.memory_bytes, cfg)
+    out.update(fits=fits, advice=advice)
+    return out
+
+
+def render(p: dict) -> str:
+    """The plan as text a person reads."""
+    b, bpp = p["bytes"], p["bytes_per_param"]
+    lines = [
+        f"mesh {p['mesh']} = {p['devices']} x {p['device']['name']} ({_fmt(p['device']['memory_bytes'])} each)",
+        f"parameters: {p['params_total']:,} total, {p['params_active']:,} active per token",
+        f"train state per parameter: params {bpp['params']:.0f} B (fp32 master) + grads {bpp['grads']:.0f} B "
+        f"+ optimizer {bpp['optimizer']:.0f} B = {sum(bpp.values()):.0f} B; unsharded "
+        f"{p['params_total']:,} x {sum(bpp.values()):.0f} B = {p['params_total'] * sum(bpp.values()) / 1e9:,.1f} GB",
+        "per device (analytic):",
+        f"  params        {_fmt(b['params'])}",
+        f"  grads         {_fmt(b['grads'])}",
+        f"  optimizer     {_fmt(b['optimizer'])}",
+        f"  compute copy  {_fmt(b['compute_copy'])}",
+        f"  activations   {_fmt(b['activations'])}  ({p['microbatch_tokens_per_device']:,.0f} tokens per microbatch per device)",
+        f"  logits        {_fmt(b['logits'])}",
+        f"  total         {_fmt(b['total'])}",
+    ]
+    c = p.get("compiled")
+    if c:
+        how = (
+            f" (extrapolated from {c['compiled_layers'][0]} and {c['compiled_layers'][1]} layers)"
+            if c["extrapolated"]
+            else ""
+        )
+        lines += [
+            f"per device (XLA, compiled on {p['devices']} fake CPU devices){how}:",
+            f"  arguments     {_fmt(c['argument_bytes'])}  (params {_fmt(c['params_bytes'])}, optimizer+counters {_fmt(c['optimizer_bytes'])})",
+            f"  temporaries   {_fmt(c['temp_bytes'])}",
+            f"  outputs       {_fmt(c['output_bytes'])}  ({_fmt(c['alias_bytes'])} aliased to donated arguments)",
+            f"  peak          {_fmt(c['peak_bytes'])}",
+            f"  FLOPs/step    {c['flops_per_device']:.4g} per device (XLA cost analysis; a scanned layer counts once)",
+        ]
+    if c and c.get("moe_stand_in"):
+        lines.append(
+            "  (MoE experts compiled in capacity mode, factor 1.25, standing in for the GPU/TPU "
+            "grouped matmul: XLA CPU lowers dropless expert matmuls differently)"
+        )
+    lines += [
+        f"FLOPs: {p['flops_per_token']:.4g} per token (6 x active params + attention), {p['flops_per_step']:.4g} per step",
+        f"at {p['mfu']:.0%} MFU: {p['step_seconds']:.3g} s per step, {p['tokens_per_second']:,.0f} tokens/s",
+    ]
+    if "token_budget" in p:
+        lines.append(
+            f"{p['token_budget']:.3g} tokens: {p['days']:,.1f} days, {p['device_hours']:,.0f} device-hours"
+        )
+    if p["fits"]:
+        lines.append(
+            f"verdict: fits ({_fmt((c or {}).get('peak_bytes') or b['total'])} of {_fmt(p['device']['memory_bytes'])} per device)"
+        )
+    else:
+        lines.append(
+            f"verdict: does NOT fit in {_fmt(p['device']['memory_bytes'])} per device; "
+            + "; ".join(p["advice"])
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- measured
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure_child(cfg_yaml: str) -> dict:
+    """Peak memory of real train steps on one CPU device, from the process's resident set.
+
+    XLA's CPU runtime allocates each execution's temporaries and outputs with
+    malloc and frees them after; large blocks are mmap-ed, so they appear in
+    and leave the resident set. After a warm-up step (compilation and
+    first-touch costs), a thread samples RSS every 0.2 ms while three steps
+    run; peak = the live train state + batch (resident before the step) +
+    (highest sample - RSS before the steps).
+    """
+    import threading
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from shipyard.config import build_config, read_yaml
+    from shipyard.model.params import init_params
+    from shipyard.model.transformer import param_specs
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.step import init_state, make_train_step
+
+    cfg = build_config(read_yaml(cfg_yaml, "plan config"))
+    specs = param_specs(cfg.model)
+    optimizer = build_optimizer(cfg.train, specs)
+    state = init_state(cfg, init_params(specs, jax.random.key(0)), optimizer)
+    B, S = cfg.train.global_batch_size, cfg.data.seq_len
+    batch = {
+        "tokens": jax.random.randint(jax.random.key(1), (B, S + 1), 0, cfg.model.vocab_size),
+        "loss_mask": jnp.ones((B, S), jnp.float32),
+    }
+    step = jax.jit(make_train_step(cfg, optimizer), donate_argnums=0)
+    state, m = step(state, batch)
+    jax.block_until_ready((state, m))
+    live = sum(x.nbytes for x in jax.tree.leaves((state, batch)))
+    time.sleep(0.2)
+    base, peak, running = _rss(), 0, True
+
+    def sample():
+        nonlocal peak
+        while running:
+            peak = max(peak, _rss())
+            time.sleep(0.0002)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    for _ in range(3):
+        state, m = step(state, batch)
+        jax.block_until_ready((state, m))
+    running = False
+    t.join()
+    return {"live_bytes": live, "step_bytes": max(peak - base, 0), "peak_bytes": live + max(peak - base, 0)}
+
+
+def measured_peak(cfg: Config) -> dict:
+    """Measured peak bytes of a real train step of `cfg` on one CPU device (see `_measure_child`)."""
+    from shipyard.config import to_yaml
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "shipyard.plan", "--measure"],
+        input=json.dumps({"config": to_yaml(cfg)}),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise ConfigError(f"plan: measuring a train step failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--child"]:
+        payload = json.loads(sys.stdin.read())
+        print(json.dumps(_compiled_child(payload["config"], payload["mesh"])))
+    elif sys.argv[1:] == ["--measure"]:
+        payload = json.loads(sys.stdin.read())
+        print(json.dumps(_measure_child(payload["config"])))

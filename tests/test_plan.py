@@ -1,0 +1,100 @@
+"""The planner: analytic vs compiled vs measured memory, the seed arithmetic, verdicts and CLI errors."""
+
+import json
+
+import pytest
+
+from shipyard.cli import main
+from shipyard.config import load_config
+from shipyard.errors import ConfigError
+from shipyard.model.transformer import num_active_params, num_params
+from shipyard.plan import DEVICES, measured_peak, parse_bytes, parse_mesh, plan, render
+
+ONE = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+
+
+def test_seed_arithmetic_and_the_planners_own_terms():
+    cfg = load_config("marin-8b")
+    n = num_params(cfg.model)
+    # The seeds' figure: bf16 params and grads, fp32 Adam moments, nothing sharded.
+    assert n * (2 + 2 + 8) / 1e9 == pytest.approx(96, rel=0.01)
+    p = plan(cfg, ONE, DEVICES["h100"], with_compiled=False)
+    assert p["bytes_per_param"] == {"params": 4.0, "grads": 4.0, "optimizer": 8.0}
+    b = p["bytes"]
+    assert (b["params"], b["grads"], b["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    assert b["compute_copy"] == 2 * n  # the bf16 copy the step computes with
+    # and it explains itself in those terms: fp32 master params make the grads fp32 too.
+    text = render(p)
+    assert f"{n:,} x 16 B = {n * 16 / 1e9:,.1f} GB" in text and "fp32 master" in text
+
+
+def test_marin_8b_fsdp8_analytic_and_compiled_agree_on_state_bytes():
+    cfg = load_config("marin-8b", ["model.remat=full", "train.global_batch_size=8", "train.microbatches=1"])
+    p = plan(cfg, {**ONE, "fsdp": 8}, DEVICES["h100"], tokens=15e12)
+    c = p["compiled"]
+    analytic = p["bytes"]["params"] + p["bytes"]["optimizer"]
+    compiled = c["params_bytes"] + c["optimizer_bytes"]
+    assert compiled == pytest.approx(analytic, rel=0.15)
+    assert p["bytes"]["params"] == pytest.approx(4 * num_params(cfg.model) / 8)
+    assert c["argument_bytes"] >= compiled  # the state is the step's argument (plus the batch)
+    assert p["days"] > 0 and p["device_hours"] == pytest.approx(p["days"] * 24 * 8)
+    assert p["fits"], p["advice"]
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("tiny", []), ("small", []), ("small", ["model.remat=full"])],
+)
+def test_predicted_peak_is_within_25_percent_of_a_measured_step(name, overrides):
+    cfg = load_config(name, overrides)
+    p = plan(cfg, ONE, DEVICES["cpu"])
+    measured = measured_peak(cfg)["peak_bytes"]
+    assert p["compiled"]["peak_bytes"] == pytest.approx(measured, rel=0.25)
+
+
+def test_moe_535b_analytic_on_256_devices_reports_total_and_active():
+    cfg = load_config("moe-535b-a23b")
+    p = plan(cfg, {**ONE, "fsdp": 32, "expert": 8}, DEVICES["h100"], tokens=15e12, with_compiled=False)
+    assert p["params_total"] == num_params(cfg.model) and p["params_active"] == num_active_params(cfg.model)
+    assert p["devices"] == 256
+    # Experts are split 8 ways and everything else 32 ways over fsdp: far below 1/32 of 16 B/param.
+    assert p["bytes"]["params"] < 4 * p["params_total"] / 32
+    assert p["fits"], p["advice"]  # the preset's microbatches fit it in 80 GiB
+
+
+@pytest.mark.slow
+def test_moe_535b_compiled_on_reduced_layers_extrapolates():
+    cfg = load_config("moe-535b-a23b")
+    p = plan(cfg, {**ONE, "fsdp": 32, "expert": 8}, DEVICES["h200"], compile_layers=1)
+    c = p["compiled"]
+    assert c["extrapolated"] and c["compiled_layers"] == [5, 6] and c["moe_stand_in"]
+    analytic = p["bytes"]["params"] + p["bytes"]["optimizer"]
+    assert c["params_bytes"] + c["optimizer_bytes"] == pytest.approx(analytic, rel=0.15)
+    assert "extrapolated from 5 and 6 layers" in render(p)
+
+
+def test_verdict_says_what_to_change():
+    cfg = load_config("marin-8b", ["model.remat=none"])
+    p = plan(cfg, {**ONE, "data": 8}, DEVICES["h100"], with_compiled=False)
+    assert not p["fits"]
+    advice = " ".join(p["advice"])
+    assert "fsdp=4 or more" in advice  # 16 B x 8B params in 60% of 80 GiB needs 4-way sharding
+    assert "model.remat=full" in advice
+
+
+def test_cli_plan_exit_codes_and_one_line_errors(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "marin-8b", "--mesh", "data=8", "--analytic-only", "--json", str(out)]) == 6
+    assert "verdict: does NOT fit" in capsys.readouterr().out
+    assert json.loads(out.read_text())["fits"] is False
+    assert main(["plan", "tiny", "--mesh", "data=1", "--device", "cpu", "--analytic-only"]) == 0
+    assert "verdict: fits" in capsys.readouterr().out
+    assert main(["plan", "tiny", "--mesh", "data=3", "--analytic-only"]) == 2
+    err = capsys.readouterr().err
+    assert "global_batch_size: 8 does not split" in err and len(err.strip().splitlines()) == 1
+    for bad in ("data=two", "gpu=4", "fsdp=0"):
+        with pytest.raises(ConfigError, match="--mesh"):
+            parse_mesh(bad)
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141 GB") == 141e9
+    with pytest.raises(ConfigError, match="--device-memory"):
+        parse_bytes("lots")
