@@ -29,7 +29,9 @@ def _greedy_full_forward(params, cfg, prompt, n):
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true", "model.qk_norm=true"]])
+@pytest.mark.parametrize(
+    "overrides", [[], ["model.tie_embeddings=true", "model.qk_norm=true"], ["model.qkv_bias=true"]]
+)
 def test_cached_greedy_equals_full_forward_for_a_padded_batch(overrides):
     cfg = load_config("tiny", overrides).model
     params = _params(cfg)

@@ -260,3 +260,45 @@ def test_moe_export_refuses_what_mixtral_cannot_represent():
     cfg = load_config("moe-tiny", MIXTRAL).model
     with pytest.raises(DataError, match="selection bias"):
         to_hf_tensors(_random_params(cfg), cfg)
+
+
+def test_qwen2_import_and_export_with_qkv_biases(tmp_path):
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(1)
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # biases included: they start at zero
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg = model_config_from_hf(config)
+    assert cfg.qkv_bias and cfg.tie_embeddings
+    params = from_hf_tensors(read_safetensors(tmp_path / "hf"), cfg)
+    assert float(np.abs(params.blocks.bq).max()) > 0
+    tokens = np.random.default_rng(5).integers(0, 300, (2, 20))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(
+        np.asarray(logits(params, jnp.asarray(tokens), cfg)), theirs, atol=1e-4, rtol=1e-4
+    )
+    # and out again: a Qwen2 directory transformers loads with the same logits
+    out = tmp_path / "out"
+    out.mkdir()
+    write_safetensors(to_hf_tensors(params, cfg), out)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg)))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    assert type(again).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            again(torch.from_numpy(tokens)).logits.numpy(), theirs, atol=1e-4, rtol=1e-4
+        )

@@ -112,6 +112,8 @@ class ModelConfig(Schema):
     """Epsilon inside RMSNorm's square root."""
     qk_norm: bool = False
     """Apply RMSNorm to queries and keys per head before RoPE (OLMo-2 / Qwen-3 style)."""
+    qkv_bias: bool = False
+    """Learned biases on the query, key and value projections (Qwen2 style); the output projection has none."""
     tie_embeddings: bool = False
     """Use the embedding table (transposed) as the output head instead of a separate matrix."""
     init_std: float = Field(0.02, gt=0)

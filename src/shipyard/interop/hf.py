@@ -1,4 +1,6 @@
-"""Hugging Face Llama / Mixtral checkpoints: shipyard params <-> safetensors + config.json.
+"""Hugging Face Llama / Mistral / Qwen2 / Mixtral checkpoints: shipyard params <-> safetensors + config.json.
+
+Models with q/k/v biases (`model.qkv_bias`) map to Qwen2ForCausalLM.
 
 Dense models map to LlamaForCausalLM; mixture-of-experts models to
 MixtralForCausalLM, which represents ours exactly when routing is Mixtral's
@@ -28,7 +30,7 @@ import numpy as np
 from shipyard.config import ModelConfig, MoEConfig, RopeScaling
 from shipyard.errors import DataError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
 
 
 def _check_mixtral(cfg: ModelConfig) -> None:
@@ -92,6 +94,15 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "rope_scaling": None if cfg.rope_scaling is None else rope,
         "rope_parameters": rope,
     }
+    if cfg.qkv_bias:
+        if cfg.moe is not None:
+            raise DataError(
+                "export hf: an MoE model with qkv_bias has no Hugging Face architecture (Mixtral has no biases)"
+            )
+        # Qwen2 is Llama plus q/k/v biases (and, unused here, a sliding-window option).
+        out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False)
+        for key in ("attention_bias", "mlp_bias"):
+            out.pop(key)
     if cfg.moe is not None:
         out.update(
             architectures=["MixtralForCausalLM"],
@@ -118,7 +129,11 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         raise DataError(f"import hf: {where} is a {arch}; supported: {', '.join(ARCHITECTURES)}")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
-            raise DataError(f"import hf: {where} has {key}=true; shipyard's Llama has no biases")
+            raise DataError(
+                f"import hf: {where} has {key}=true; shipyard has biases only on q/k/v (Qwen2 style)"
+            )
+    if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+        raise DataError(f"import hf: {where} sets use_sliding_window=true; shipyard attends globally")
     if config.get("hidden_act", "silu") != "silu":
         raise DataError(f"import hf: {where} has hidden_act={config['hidden_act']!r}; expected silu")
     if config.get("sliding_window") and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
@@ -162,6 +177,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         rope_scaling=scaling,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
         moe=moe,
     )
 
@@ -188,6 +204,10 @@ def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         out[p + "self_attn.k_proj.weight"] = np.asarray(b.wk[j]).reshape(E, K * D).T
         out[p + "self_attn.v_proj.weight"] = np.asarray(b.wv[j]).reshape(E, K * D).T
         out[p + "self_attn.o_proj.weight"] = np.asarray(b.wo[j]).reshape(H * D, E).T
+        if b.bq is not None:
+            out[p + "self_attn.q_proj.bias"] = np.asarray(b.bq[j]).reshape(H * D)
+            out[p + "self_attn.k_proj.bias"] = np.asarray(b.bk[j]).reshape(K * D)
+            out[p + "self_attn.v_proj.bias"] = np.asarray(b.bv[j]).reshape(K * D)
         if b.moe is None:
             out[p + "mlp.gate_proj.weight"] = np.asarray(b.w_gate[j]).T
             out[p + "mlp.up_proj.weight"] = np.asarray(b.w_up[j]).T
@@ -243,6 +263,14 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str
 
     p = "model.layers.{}."
 
+    biases = {}
+    if cfg.qkv_bias:
+        biases = dict(
+            bq=stack(p + "self_attn.q_proj.bias", (H * D,), lambda t: t.reshape(H, D)),
+            bk=stack(p + "self_attn.k_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
+            bv=stack(p + "self_attn.v_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
+        )
+
     def attention(mlp: dict) -> BlockParams:
         return BlockParams(
             attn_norm=stack(p + "input_layernorm.weight", (E,), lambda t: t),
@@ -254,6 +282,7 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str
             k_norm=None,
             mlp_norm=stack(p + "post_attention_layernorm.weight", (E,), lambda t: t),
             **mlp,
+            **biases,
         )
 
     if cfg.moe is None:

@@ -58,6 +58,8 @@ def forward_cached(
         q = jnp.einsum("bte,ekgd->btkgd", h, p.wq.reshape(p.wq.shape[0], K, G, D))
         k = jnp.einsum("bte,ekd->btkd", h, p.wk)
         v = jnp.einsum("bte,ekd->btkd", h, p.wv)
+        if p.bq is not None:
+            q, k, v = q + p.bq.reshape(K, G, D), k + p.bk, v + p.bv
         if p.q_norm is not None:
             q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
             k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)

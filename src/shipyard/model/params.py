@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from shipyard.parallel.mesh import Rules, logical_to_pspec
 
-# weight: hidden matrices; router: MoE router (AdamW even under Muon); buffer:
+# weight: hidden matrices; bias: additive vectors (never decayed); router: MoE router (AdamW even under Muon); buffer:
 # state kept with the params but moved by a rule, not by gradients (MoE
 # selection biases: their gradient is zero and they are never decayed).
-Role = Literal["weight", "embedding", "head", "norm", "router", "buffer"]
+Role = Literal["weight", "embedding", "head", "norm", "bias", "router", "buffer"]
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class BlockParams:
     w_down: jax.Array | None
     moe: MoEParams | None = None
     """Mixture-of-experts MLP (None in dense blocks)."""
+    bq: jax.Array | None = None
+    """[layers, heads, head_dim] query bias (qkv_bias models only); bk, bv likewise over kv_heads."""
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +81,10 @@ def param_specs(cfg: ModelConfig) -> TransformerParams:
         shape, axes = zip(*shape_axes)
         return ArraySpec(tuple(shape), tuple(axes), "ones", role="norm")
 
+    def bias(*shape_axes):
+        shape, axes = zip(*shape_axes)
+        return ArraySpec(tuple(shape), tuple(axes), "zeros", role="bias")
+
     def mat(shape, axes, s, fan_in):
         return ArraySpec(shape, axes, "normal", std=s, role="weight", fan_in_axes=fan_in)
 
@@ -96,6 +104,9 @@ def param_specs(cfg: ModelConfig) -> TransformerParams:
             w_up=None if moe else mat((n, E, M), ("layers", "embed", "mlp"), std, (1,)),
             w_down=None if moe else mat((n, M, E), ("layers", "mlp", "embed"), out_std, (1,)),
             moe=moe_specs(cfg.moe, n, E, std, out_std) if moe else None,
+            bq=bias((n, "layers"), (H, "heads"), (D, "head_dim")) if cfg.qkv_bias else None,
+            bk=bias((n, "layers"), (K, "kv_heads"), (D, "head_dim")) if cfg.qkv_bias else None,
+            bv=bias((n, "layers"), (K, "kv_heads"), (D, "head_dim")) if cfg.qkv_bias else None,
         )
 
     return TransformerParams(
@@ -144,6 +155,8 @@ def attention_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, se
     wq = p.wq.reshape(p.wq.shape[0], K, G, p.wq.shape[-1])
     w_qkv = jnp.concatenate([wq, p.wk[:, :, None], p.wv[:, :, None]], axis=2)
     qkv = layers.dense(h, w_qkv.reshape(w_qkv.shape[0], -1)).reshape(*h.shape[:2], *w_qkv.shape[1:])
+    if p.bq is not None:
+        qkv = qkv + jnp.concatenate([p.bq.reshape(K, G, -1), p.bk[:, None], p.bv[:, None]], axis=1)
     q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if p.q_norm is not None:
         q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
