@@ -122,16 +122,26 @@ def _git_commit() -> str | None:
         return None
 
 
-def provenance(inputs: dict[str, dict]) -> dict:
+def package_versions() -> dict[str, str | None]:
+    """shipyard, Python and the versions of the packages whose behaviour the results depend on."""
     versions = {"shipyard": shipyard.__version__, "python": platform.python_version()}
     for pkg in _PACKAGES:
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
+    return versions
+
+
+def git_commit() -> str | None:
+    """The commit shipyard runs from (with -dirty for uncommitted changes), None outside a checkout."""
+    return _git_commit()
+
+
+def provenance(inputs: dict[str, dict]) -> dict:
     devices = jax.devices()
     return {
-        "versions": versions,
+        "versions": package_versions(),
         "git_commit": _git_commit(),
         "argv": sys.argv,
         "host": socket.gethostname(),

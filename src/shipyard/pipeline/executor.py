@@ -1,0 +1,295 @@
+"""`shipyard run PIPELINE`: content-addressed steps, skipped when done, every output recorded.
+
+A pipeline file names a `root` and a list of steps (name, kind, inputs,
+config). An input is `@step` (that step's output directory), `@step/sub/path`,
+or a path (relative to the pipeline file). Each step's output directory is
+`<root>/<name>-<hash>`, the hash covering its kind, config, the hashes of its
+inputs (an upstream step's own hash; a file's or directory's content) and the
+shipyard version, so a changed threshold gives the filter step and everything
+downstream new directories while the rest stays done.
+
+A step is done when its `_SUCCESS` marker exists; the marker is written last
+(atomically, after `provenance.json`), so a step killed midway leaves none and
+its directory is cleared and redone next time. `--dry-run` prints each step's
+status and why it would run: new, config changed, input changed, shipyard
+version changed, forced, or incomplete (killed). `--force STEP` reruns one.
+
+`shipyard reproduce OUTPUT_DIR` reads the provenance chain behind an output,
+reruns every step into a fresh root, and compares each step's artifact
+digests (steps.digest) with the recorded ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from shipyard.config import Schema, format_validation_error, read_yaml
+from shipyard.errors import ConfigError, DataError
+from shipyard.pipeline.steps import STEPS, digest
+from shipyard.train.rundir import git_commit, package_versions, write_atomic
+
+MARKER = "_SUCCESS"
+
+
+class StepConfig(Schema):
+    """One step of a pipeline."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Unique step name (letters, digits, `-`, `_`, `.`); the output directory is <root>/<name>-<hash>."""
+    kind: Literal[tuple(STEPS)]  # type: ignore[valid-type]
+    """What the step does: stdlib, extract, filter, dedup, decontaminate, tokenizer-train, tokenize, train, eval, export-hf, generate, report."""
+    inputs: dict[str, str] = {}
+    """Input role -> `@step`, `@step/sub/path` or a path relative to the pipeline file."""
+    config: dict[str, Any] = {}
+    """The step's settings: the data stage's config fields, or for train {preset, overrides: [...]}."""
+
+
+class PipelineConfig(Schema):
+    """A pipeline file."""
+
+    root: str
+    """Directory holding every step's output (relative to the pipeline file)."""
+    steps: list[StepConfig]
+    """Steps in any order; inputs define the graph."""
+
+
+@dataclass
+class Planned:
+    """A step with its resolved hash, inputs and what the executor will do with it."""
+
+    step: StepConfig
+    hash: str
+    out: Path
+    inputs: dict[str, Path]
+    input_hashes: dict[str, str]
+    status: str  # done | run
+    reason: str
+
+
+def load_pipeline(path: str | Path, root: str | Path | None = None) -> tuple[PipelineConfig, Path, Path]:
+    """(config, root dir, base dir for relative paths)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pipeline file {path} does not exist")
+    data = read_yaml(path.read_text(), f"pipeline file {path}")
+    try:
+        cfg = PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(
+            format_validation_error(e, PipelineConfig).replace("invalid config", f"pipeline {path}")
+        ) from e
+    base = path.resolve().parent
+    names = [s.name for s in cfg.steps]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"pipeline {path}: step names must be unique; repeated: {', '.join(dupes)}")
+    out_root = Path(root) if root is not None else base / cfg.root
+    return cfg, out_root.resolve(), base
+
+
+def _content_hash(path: Path) -> str:
+    """sha256 over a file's bytes, or a directory's relative paths and file bytes."""
+    if not path.exists():
+        raise DataError(f"pipeline input {path} does not exist")
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _order(cfg: PipelineConfig) -> list[StepConfig]:
+    """Steps in dependency order (ties in file order); a cycle or unknown reference is an error."""
+    by_name = {s.name: s for s in cfg.steps}
+    deps = {}
+    for s in cfg.steps:
+        refs = [v[1:].split("/", 1)[0] for v in s.inputs.values() if v.startswith("@")]
+        unknown = [r for r in refs if r not in by_name]
+        if unknown:
+            raise ConfigError(f"pipeline step {s.name}: inputs name unknown steps {unknown}")
+        deps[s.name] = refs
+    done, out = set(), []
+    while len(out) < len(cfg.steps):
+        ready = [s for s in cfg.steps if s.name not in done and all(d in done for d in deps[s.name])]
+        if not ready:
+            left = sorted(set(by_name) - done)
+            raise ConfigError(f"pipeline: the inputs of steps {left} form a cycle")
+        out.append(ready[0])
+        done.add(ready[0].name)
+    return out
+
+
+def _version() -> str:
+    from shipyard import __version__
+
+    return __version__
+
+
+def _previous(root: Path, name: str) -> dict | None:
+    """Provenance of the newest finished output of a step with this name, if any."""
+    found = []
+    for d in root.glob(f"{name}-*"):
+        if (d / MARKER).is_file() and (d / "provenance.json").is_file():
+            found.append((d.stat().st_mtime, d))
+    if not found:
+        return None
+    return json.loads((max(found)[1] / "provenance.json").read_text())
+
+
+def plan_pipeline(cfg: PipelineConfig, root: Path, base: Path, force: tuple[str, ...] = ()) -> list[Planned]:
+    """Hash every step and decide what runs and why (nothing is executed)."""
+    unknown = [f for f in force if f not in {s.name for s in cfg.steps}]
+    if unknown:
+        raise ConfigError(
+            f"--force {unknown[0]}: no such step (steps: {', '.join(s.name for s in cfg.steps)})"
+        )
+    planned: dict[str, Planned] = {}
+    version = _version()
+    for s in _order(cfg):
+        inputs, hashes = {}, {}
+        for role, ref in s.inputs.items():
+            if ref.startswith("@"):
+                name, _, sub = ref[1:].partition("/")
+                up = planned[name]
+                inputs[role] = up.out / sub if sub else up.out
+                hashes[role] = up.hash + (f"/{sub}" if sub else "")
+            else:
+                p = Path(ref) if Path(ref).is_absolute() else base / ref
+                inputs[role] = p.resolve()
+                hashes[role] = _content_hash(inputs[role])
+        recipe = {"kind": s.kind, "config": s.config, "inputs": hashes, "version": version}
+        h = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+        out = root / f"{s.name}-{h}"
+        upstream_reran = any(
+            planned[r[1:].split("/")[0]].status == "run" for r in s.inputs.values() if r.startswith("@")
+        )
+        if s.name in force:
+            status, reason = "run", "forced"
+        elif (out / MARKER).is_file() and not upstream_reran:
+            status, reason = "done", "done"
+        elif out.exists() and not upstream_reran:
+            status, reason = "run", "incomplete (a previous run stopped before finishing)"
+        else:
+            prev = _previous(root, s.name)
+            if prev is None:
+                reason = "new"
+            elif prev["step"]["config"] != s.config or prev["step"]["kind"] != s.kind:
+                reason = "config changed"
+            elif prev["input_hashes"] != hashes:
+                changed = sorted(r for r in hashes if prev["input_hashes"].get(r) != hashes[r])
+                reason = f"input changed ({', '.join(changed)})"
+            elif prev["version"] != version:
+                reason = "shipyard version changed"
+            else:
+                reason = "upstream step forced" if upstream_reran else "new"
+            status = "run"
+        planned[s.name] = Planned(s, h, out, inputs, hashes, status, reason)
+    return list(planned.values())
+
+
+def run_step(p: Planned, log=print) -> dict:
+    """Run one planned step into its directory; provenance, artifact digests, then the marker."""
+    if p.out.exists():
+        shutil.rmtree(p.out)  # an unfinished or forced earlier attempt
+    p.out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    log(f"[{p.step.name}] running ({p.reason}) -> {p.out}")
+    STEPS[p.step.kind](p.out, p.inputs, p.step.config)
+    p.out.mkdir(parents=True, exist_ok=True)
+    wall = time.time() - started
+    record = {
+        "step": p.step.model_dump(mode="json"),
+        "hash": p.hash,
+        "inputs": {k: str(v) for k, v in p.inputs.items()},
+        "input_hashes": p.input_hashes,
+        "version": _version(),
+        "git_commit": git_commit(),
+        "packages": package_versions(),
+        "host": {"name": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "started": started,
+        "wall_seconds": round(wall, 3),
+        "artifacts": digest(p.step.kind, p.out),
+    }
+    own = p.out / "provenance.json"
+    if own.is_file():  # the trainer's run provenance (devices, XLA flags, ...) is kept inside
+        record["run"] = json.loads(own.read_text())
+    write_atomic(own, json.dumps(record, indent=2) + "\n")
+    write_atomic(p.out / MARKER, "")
+    log(f"[{p.step.name}] done in {wall:.1f} s")
+    return record
+
+
+def run_pipeline(path: str | Path, force: tuple[str, ...] = (), dry_run: bool = False, root=None, log=print):
+    """Run (or with dry_run only describe) a pipeline; returns the plan."""
+    cfg, out_root, base = load_pipeline(path, root)
+    planned = plan_pipeline(cfg, out_root, base, force)
+    width = max(len(p.step.name) for p in planned)
+    for p in planned:
+        log(f"{p.step.name:<{width}}  {p.status:<4}  {p.reason:<40}  {p.out}")
+    if dry_run:
+        return planned
+    for i, p in enumerate(planned):
+        if p.status == "run":
+            run_step(p, log)
+            # Later steps were planned assuming this one reruns; their plan stands.
+        planned[i] = p
+    return planned
+
+
+def reproduce(output_dir: str | Path, root: str | Path, log=print) -> list[dict]:
+    """Rerun the recorded chain behind `output_dir` into `root`; compare artifact digests step by step."""
+    output_dir = Path(output_dir)
+    if not (output_dir / "provenance.json").is_file():
+        raise DataError(f"reproduce: {output_dir} has no provenance.json (not a finished pipeline step)")
+    chain: dict[str, dict] = {}
+
+    def collect(d: Path) -> None:
+        prov = json.loads((d / "provenance.json").read_text())
+        for role, ref in prov["step"]["inputs"].items():
+            if ref.startswith("@"):
+                up = Path(prov["inputs"][role])
+                sub = ref[1:].partition("/")[2]
+                collect(Path(str(up)[: -len(sub) - 1]) if sub else up)
+        chain.setdefault(prov["step"]["name"], {"prov": prov, "dir": d})
+
+    collect(output_dir)
+    root = Path(root)
+    if root.exists() and any(root.iterdir()):
+        raise DataError(f"reproduce: {root} is not empty; give a fresh directory")
+    # External inputs are referred to by absolute path, so the pipeline file can live anywhere.
+    steps = []
+    for item in chain.values():
+        s = item["prov"]["step"]
+        inputs = {
+            role: (ref if ref.startswith("@") else item["prov"]["inputs"][role])
+            for role, ref in s["inputs"].items()
+        }
+        steps.append({**s, "inputs": inputs})
+    root.mkdir(parents=True, exist_ok=True)
+    pipeline_file = root / "pipeline.yaml"
+    import yaml
+
+    pipeline_file.write_text(yaml.safe_dump({"root": str(root / "steps"), "steps": steps}, sort_keys=False))
+    planned = run_pipeline(pipeline_file, log=log)
+    results = []
+    for p in planned:
+        recorded = chain[p.step.name]["prov"]["artifacts"]
+        now = json.loads((p.out / "provenance.json").read_text())["artifacts"]
+        same = recorded == now
+        results.append({"step": p.step.name, "identical": same, "recorded": recorded, "reproduced": now})
+        log(f"[{p.step.name}] {'identical' if same else 'DIFFERENT'}: {now}")
+    return results

@@ -1,0 +1,248 @@
+"""What each pipeline step kind does: `run(out_dir, inputs, config)`, and which of its files are its artifacts.
+
+A step function writes its whole output into `out_dir` (which does not exist
+yet; data stages create it atomically themselves). `inputs` maps the step's
+input roles to paths (an upstream step's output directory, or a file/dir the
+pipeline names). `config` is the step's `config:` mapping from the pipeline
+file, validated by the same schema the standalone command uses.
+
+`digest(kind, out_dir)` hashes what a step produced for `shipyard reproduce`:
+the files that are a deterministic function of the inputs (documents, shards,
+tokenizer, the trained params and loss curve, evaluation numbers), leaving out
+timing and provenance records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from shipyard.errors import ConfigError
+
+StepFn = Callable[[Path, dict[str, Path], dict], dict]
+
+
+def _need(kind: str, inputs: dict[str, Path], *roles: str) -> list[Path]:
+    missing = [r for r in roles if r not in inputs]
+    if missing:
+        raise ConfigError(
+            f"pipeline step kind {kind}: inputs {missing} are required (given: {sorted(inputs)})"
+        )
+    return [inputs[r] for r in roles]
+
+
+def _stage(kind: str, schema_name: str, module_name: str):
+    """A document stage (filter, dedup, ...) over `inputs.documents`."""
+
+    def run(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+        from shipyard.data import configs
+        from shipyard.data.stage import default_workers
+
+        (docs,) = _need(kind, inputs, "documents")
+        read = configs.build_schema(configs.ReadConfig, config.get("read", {}), f"{kind}.read")
+        cfg = configs.build_schema(
+            getattr(configs, schema_name), {k: v for k, v in config.items() if k != "read"}, kind
+        )
+        module = __import__(f"shipyard.data.{module_name}", fromlist=["x"])
+        fn = getattr(module, f"run_{kind}")
+        return fn([str(docs)], out, cfg, read, default_workers(), False)
+
+    return run
+
+
+def _stdlib(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.data.stdlib import write_stdlib_documents
+
+    return write_stdlib_documents(out)
+
+
+def _tokenizer_train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.data import configs
+    from shipyard.data.tokenizer import run_tokenizer_train
+
+    (docs,) = _need("tokenizer-train", inputs, "documents")
+    read = configs.build_schema(configs.ReadConfig, config.get("read", {}), "tokenizer-train.read")
+    cfg = configs.build_schema(
+        configs.TokenizerTrainConfig, {k: v for k, v in config.items() if k != "read"}, "tokenizer-train"
+    )
+    return run_tokenizer_train([str(docs)], out, cfg, read, False)
+
+
+def _tokenize(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.data import configs
+    from shipyard.data.stage import default_workers
+    from shipyard.data.tokenize import run_tokenize
+
+    docs, tok = _need("tokenize", inputs, "documents", "tokenizer")
+    read = configs.build_schema(configs.ReadConfig, config.get("read", {}), "tokenize.read")
+    cfg = configs.build_schema(
+        configs.TokenizeConfig, {k: v for k, v in config.items() if k != "read"}, "tokenize"
+    )
+    return run_tokenize([str(docs)], out, str(tok), cfg, read, default_workers(), False)
+
+
+def _train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.config import load_config
+    from shipyard.train.trainer import train
+
+    (tokens,) = _need("train", inputs, "train_tokens")
+    overrides = [f"data.train_tokens={tokens}", *config.get("overrides", [])]
+    if "validation_tokens" in inputs:
+        overrides.append(f"data.validation_tokens={inputs['validation_tokens']}")
+    cfg = load_config(config.get("preset", "tiny"), overrides)
+    train(cfg, run_dir=out, overwrite=True)
+    return {"run_dir": str(out)}
+
+
+def unigram_bits_per_byte(train_tokens: Path, heldout_tokens: Path, tokenizer_dir: Path, vocab: int) -> dict:
+    """The baseline a model must beat: add-one-smoothed unigram frequencies of the training
+    tokens, scored on the held-out tokens, in bits per UTF-8 byte."""
+    from shipyard.data.shards import open_shards
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.evaluate import token_byte_lengths
+
+    counts = np.ones(vocab, np.float64)
+    for shard in open_shards(train_tokens)[1]:
+        counts += np.bincount(np.asarray(shard), minlength=vocab)[:vocab]
+    logp = np.log(counts / counts.sum())
+    lengths = token_byte_lengths(load_tokenizer(tokenizer_dir))
+    nats = nbytes = tokens = 0
+    for shard in open_shards(heldout_tokens)[1]:
+        ids = np.asarray(shard)
+        nats -= float(logp[ids].sum())
+        nbytes += int(lengths[ids].sum())
+        tokens += ids.size
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "loss": nats / tokens,
+        "bits_per_byte": nats / math.log(2) / nbytes,
+    }
+
+
+def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    """Held-out loss / bits-per-byte of the run next to the unigram baseline of its training tokens."""
+    from shipyard.config import load_config
+    from shipyard.evaluate import run_eval
+    from shipyard.interop.hf import _tokenizer_of
+
+    run, heldout = _need("eval", inputs, "run", "tokens")
+    report = run_eval(run, {"heldout": str(heldout)}, [], max_sequences=int(config.get("max_sequences", 64)))
+    cfg = load_config(str(run / "config.yaml"))
+    tok_dir = _tokenizer_of(cfg)
+    if tok_dir is not None and cfg.data.train_tokens is not None:
+        base = unigram_bits_per_byte(Path(cfg.data.train_tokens), heldout, tok_dir, cfg.model.vocab_size)
+        report["unigram_baseline"] = base
+        model_bpb = report["domains"]["heldout"]["bits_per_byte"]
+        report["bits_per_byte_vs_unigram"] = model_bpb / base["bits_per_byte"]
+    out.mkdir(parents=True)
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _export_hf(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.interop.hf import export_hf
+
+    (run,) = _need("export-hf", inputs, "run")
+    return export_hf(run, out)
+
+
+def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.generate import Generator
+    from shipyard.interop.hf import _tokenizer_of, load_run_params
+
+    (run,) = _need("generate", inputs, "run")
+    cfg, step, params = load_run_params(run)
+    tok = load_tokenizer(_tokenizer_of(cfg))
+    prompt = str(config.get("prompt", "def "))
+    ids = tok.encode(prompt).ids
+    generator = Generator(jax.tree.map(jnp.asarray, params), cfg.model)
+    new = generator([ids], int(config.get("max_new_tokens", 48)))[0]
+    text = tok.decode(new)
+    out.mkdir(parents=True)
+    (out / "sample.json").write_text(json.dumps({"prompt": prompt, "completion": text}, indent=2) + "\n")
+    return {"prompt": prompt, "completion": text}
+
+
+def _report(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    import shutil
+
+    from shipyard.report import write_report
+
+    (run,) = _need("report", inputs, "run")
+    path = write_report(run)
+    out.mkdir(parents=True)
+    shutil.copy(path, out / "report.md")
+    if (run / "plots").is_dir():
+        shutil.copytree(run / "plots", out / "plots")
+    return {"report": str(out / "report.md")}
+
+
+STEPS: dict[str, StepFn] = {
+    "stdlib": _stdlib,
+    "extract": _stage("extract", "ExtractConfig", "extract"),
+    "filter": _stage("filter", "FilterConfig", "filters"),
+    "dedup": _stage("dedup", "DedupConfig", "dedup"),
+    "decontaminate": _stage("decontaminate", "DecontaminateConfig", "decontaminate"),
+    "tokenizer-train": _tokenizer_train,
+    "tokenize": _tokenize,
+    "train": _train,
+    "eval": _eval,
+    "export-hf": _export_hf,
+    "generate": _generate,
+    "report": _report,
+}
+
+# Files that record when/how long/where rather than what: left out of digests.
+_VOLATILE = {"provenance.json", "_SUCCESS", "stats.json", "report.md", "prepare.json"}
+
+
+def _file_digest(paths: list[Path], root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def digest(kind: str, out: Path) -> dict[str, str]:
+    """{artifact: sha256} of what a finished step produced (see the module doc)."""
+    if kind == "train":
+        from shipyard.interop.hf import load_run_params
+
+        _, step, params = load_run_params(out)
+        import jax
+
+        h = hashlib.sha256()
+        for leaf in jax.tree.leaves(params):
+            h.update(np.ascontiguousarray(leaf).tobytes())
+        losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {
+            f"params@{step}": h.hexdigest(),
+            "loss_curve": hashlib.sha256(json.dumps(losses).encode()).hexdigest(),
+        }
+    if kind == "eval":
+        report = json.loads((out / "eval.json").read_text())
+        report.pop("run", None)
+        return {"eval.json": hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()}
+    if kind == "report":
+        return {}  # a rendering of the run's metrics, which carry timings
+    files = [p for p in out.rglob("*") if p.is_file() and p.name not in _VOLATILE]
+    if kind == "tokenize":
+        # The manifest records input paths and timings; its shard table is the content.
+        manifest = json.loads((out / "manifest.json").read_text())
+        files = [p for p in files if p.name != "manifest.json"]
+        table = json.dumps(manifest["shards"], sort_keys=True).encode()
+        return {"files": _file_digest(files, out), "shards": hashlib.sha256(table).hexdigest()}
+    return {"files": _file_digest(files, out)}
