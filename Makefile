@@ -17,16 +17,13 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
 	touch $(STAMP)
 
-# The whole pipeline on the embedded default corpus (the stdlib source):
-# documents -> filter -> dedup -> BPE tokenizer -> token shards
-# -> 200 training steps of `tiny` -> plots + report.md -> a sampled completion.
+# The whole pipeline on the embedded default corpus (the stdlib source), as the
+# content-addressed pipeline src/shipyard/pipelines/quickstart.yaml: documents
+# -> filter -> dedup -> BPE tokenizer -> token shards -> 600 steps of `tiny`
+# -> held-out bits/byte vs a unigram baseline -> HF export -> a sample -> report.
+# A second run skips every finished step.
 quickstart: install
-	$(BIN)/shipyard data stdlib --out $(QS)/stdlib --overwrite
-	$(BIN)/shipyard data prepare configs/quickstart-data.yaml
-	$(BIN)/shipyard train tiny data.train_tokens=$(QS)/data/04-tokenize-train \
-		data.validation_tokens=$(QS)/data/05-tokenize-validation train.eval_every=50 --run-dir $(QS)/run --overwrite
-	$(BIN)/shipyard report $(QS)/run
-	$(BIN)/shipyard generate $(QS)/run --prompt "def " --max-new-tokens 48
+	$(BIN)/shipyard quickstart --root $(QS)
 
 # Default tier: everything but the end-to-end runs marked slow.
 test: install
@@ -49,6 +46,7 @@ format: install
 bench: install
 	$(BIN)/python bench/train_throughput.py
 	$(BIN)/python bench/data_throughput.py
+	$(BIN)/python bench/generate_throughput.py
 	$(BIN)/python bench/moe_throughput.py
 
 clean:
