@@ -150,3 +150,22 @@ def test_document_masking_needs_an_eos_id_for_npy_tokens(tmp_path, byte_tokens, 
     assert _train(tmp_path, byte_tokens, "m", *args) == 2
     assert "set data.eos_id" in capsys.readouterr().err
     assert _train(tmp_path, byte_tokens, "m", *args, "data.eos_id=256") == 0
+
+
+def test_tensorboard_events_profile_trace_and_report_plots(tmp_path, byte_tokens):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    extra = ("train.steps=12", "train.logging.log_every=2", "--profile-steps", "3:4")
+    assert _train(tmp_path, byte_tokens, "tb", *extra) == 0
+    run = tmp_path / "tb"
+    rows = _metrics(run)
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert {"lr", "grad_norm", "param_norm", "entropy"} <= set(events.Tags()["scalars"])
+    assert list((run / "profile").rglob("*.xplane.pb"))  # the JAX profiler trace of steps 3-4
+    assert main(["report", str(run)]) == 0
+    png = run / "plots" / "metrics.png"
+    assert png.stat().st_size > 20_000  # six panels of curves, not an empty canvas

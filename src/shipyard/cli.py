@@ -109,7 +109,22 @@ def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from shipyard.train.trainer import train
 
-    train(cfg, run_dir=args.run_dir, overwrite=args.overwrite, resume=args.resume, debug_nans=args.debug_nans)
+    profile = None
+    if args.profile_steps is not None:
+        a, sep, b = args.profile_steps.partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) <= int(b) < cfg.train.steps):
+            raise ConfigError(
+                f"--profile-steps: {args.profile_steps!r}; expected A:B with 0 <= A <= B < train.steps={cfg.train.steps}"
+            )
+        profile = (int(a), int(b))
+    train(
+        cfg,
+        run_dir=args.run_dir,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        debug_nans=args.debug_nans,
+        profile_steps=profile,
+    )
     return 0
 
 
@@ -372,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in the run directory from its newest usable checkpoint (start it if there is none)",
+    )
+    tr.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="record a JAX profiler trace of steps A..B (inclusive) into <run>/profile",
     )
     tr.add_argument(
         "--debug-nans",

@@ -268,6 +268,8 @@ class LoggingConfig(Schema):
     """Show a live progress bar with loss, tokens/s and ETA."""
     peak_flops_per_device: float | None = Field(None, gt=0)
     """Peak FLOP/s of one device for MFU; null measures a matmul peak on CPU."""
+    tensorboard: bool = True
+    """Also write every metric as TensorBoard scalars under <run>/tb (`tensorboard --logdir runs/`)."""
 
 
 class CheckpointConfig(Schema):

@@ -12,6 +12,8 @@ PANELS = (
     ("loss", "train loss (nats/token)"),
     ("lr", "learning rate"),
     ("grad_norm", "grad norm"),
+    ("param_norm", "param norm"),
+    ("entropy", "predictive entropy (nats)"),
     ("tokens_per_s", "tokens/s"),
 )
 
@@ -41,7 +43,7 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     (run_dir / "plots").mkdir(exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:

@@ -181,7 +181,32 @@ def _report(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     (run,) = _need("report", inputs, "run")
     path = write_report(run)
     out.mkdir(parents=True)
-    shutil.copy(path, out / "report.md")
+    text = path.read_text()
+    # Other inputs: data steps (their stats.json) and evaluations (eval.json), appended.
+    data_rows, evals = [], []
+    for role, d in sorted(inputs.items()):
+        if (d / "stats.json").is_file():
+            st = json.loads((d / "stats.json").read_text())
+            drops = ", ".join(f"{k} {v:,}" for k, v in st.get("dropped", {}).items() if v) or "-"
+            data_rows.append(
+                f"| {role} | {st.get('documents_in', 0):,} | {st.get('documents_out', 0):,} | {drops} | "
+                f"{st.get('tokens', '-')} | {st.get('seconds', 0):.1f} |"
+            )
+        if (d / "eval.json").is_file():
+            ev = json.loads((d / "eval.json").read_text())
+            for name, m in ev["domains"].items():
+                evals.append(f"- {role} {name}: loss {m['loss']:.4f}, bits/byte {m['bits_per_byte']}")
+            if "unigram_baseline" in ev:
+                evals.append(
+                    f"- unigram baseline: bits/byte {ev['unigram_baseline']['bits_per_byte']:.4f} "
+                    f"(model / baseline = {ev['bits_per_byte_vs_unigram']:.3f})"
+                )
+    if data_rows:
+        text += "\n## Data steps\n\n| step | documents in | out | dropped | tokens | seconds |\n|---|---|---|---|---|---|\n"
+        text += "\n".join(data_rows) + "\n"
+    if evals:
+        text += "\n## Evaluation\n\n" + "\n".join(evals) + "\n"
+    (out / "report.md").write_text(text)
     if (run / "plots").is_dir():
         shutil.copytree(run / "plots", out / "plots")
     return {"report": str(out / "report.md")}

@@ -74,15 +74,36 @@ def peak_flops(configured_per_device: float | None, devices: list[jax.Device]) -
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl, flushed each line."""
+    """Appends one JSON object per logged step to metrics.jsonl (flushed each line) and, with
+    `tensorboard_dir`, writes every numeric metric as a TensorBoard scalar (lists, e.g. the
+    per-layer MoE loads, as `name/<index>`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, purge_step: int | None = None):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run; closed by close())
+        self._tb = None
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            # purge_step: a resumed run hides the events logged after its checkpoint,
+            # as truncate_metrics drops those metrics.jsonl lines.
+            self._tb = SummaryWriter(str(tensorboard_dir), flush_secs=10, purge_step=purge_step)
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record, sort_keys=False) + "\n")
         self._f.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key == "step" or value is None:
+                    continue
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+                elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                    for i, v in enumerate(value):
+                        self._tb.add_scalar(f"{key}/{i}", v, step)
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()

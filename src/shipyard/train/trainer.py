@@ -50,8 +50,12 @@ def train(
     overwrite: bool = False,
     resume: bool = False,
     debug_nans: bool = False,
+    profile_steps: tuple[int, int] | None = None,
 ) -> Path:
     """Train `cfg` up to `train.steps` steps; returns the run directory.
+
+    `profile_steps` (first, last) records a JAX profiler trace of those steps
+    into <run>/profile (open with TensorBoard's profile plugin or Perfetto).
 
     `resume` continues from the newest usable checkpoint in the run directory
     (or starts the run when there is none). `debug_nans` turns on JAX's NaN
@@ -59,9 +63,9 @@ def train(
     raises FloatingPointError naming it.
     """
     if not debug_nans:
-        return _train(cfg, run_dir, overwrite, resume)
+        return _train(cfg, run_dir, overwrite, resume, profile_steps)
     with jax.debug_nans(True), jax.debug_infs(True):
-        return _train(cfg, run_dir, overwrite, resume)
+        return _train(cfg, run_dir, overwrite, resume, profile_steps)
 
 
 class _NoWriter:
@@ -117,7 +121,13 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> Path:
+def _train(
+    cfg: Config,
+    run_dir: Path | None,
+    overwrite: bool,
+    resume: bool,
+    profile_steps: tuple[int, int] | None = None,
+) -> Path:
     paths, weights = cfg.data.sources()
     if not paths:
         raise ConfigError(
@@ -233,7 +243,8 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
         return out
 
     log = cfg.train.logging
-    writer = MetricsWriter(run_dir / "metrics.jsonl") if main else _NoWriter()
+    tb = run_dir / "tb" if log.tensorboard else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl", tb, start or None) if main else _NoWriter()
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     bar = tqdm(
         total=cfg.train.steps,
@@ -282,7 +293,15 @@ def _train(cfg: Config, run_dir: Path | None, overwrite: bool, resume: bool) -> 
         with _StopSignal() as stop:
             for step in range(start, cfg.train.steps):
                 batch = {"tokens": prefetch.get(step), "loss_mask": loss_mask}
+                if profile_steps is not None and step == profile_steps[0] and main:
+                    jax.profiler.start_trace(str(run_dir / "profile"))
                 state, metrics = step_fn(state, batch)
+                if profile_steps is not None and step == profile_steps[1] and main:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                    say(
+                        f"shipyard: profile of steps {profile_steps[0]}-{profile_steps[1]} in {run_dir / 'profile'}"
+                    )
                 done = step + 1
                 evaluating = val is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
                 val_sums = evaluate(state.params) if evaluating else None
