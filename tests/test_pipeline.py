@@ -163,3 +163,47 @@ def test_quickstart_pipeline_beats_unigram_and_reproduces(tmp_path):
     assert (by["export"].out / "model.safetensors").is_file()
     assert (by["report"].out / "plots" / "metrics.png").is_file()
     assert main(["reproduce", str(by["eval"].out), "--root", str(tmp_path / "again")]) == 0
+
+
+@pytest.mark.slow
+def test_ray_executor_runs_the_same_steps_with_the_same_artifacts(tmp_path):
+    pytest.importorskip("ray")
+    path = _pipeline(tmp_path)
+    local = {p.step.name: p for p in run_pipeline(path, root=tmp_path / "local", log=lambda m: None)}
+    on_ray = {
+        p.step.name: p
+        for p in run_pipeline(path, root=tmp_path / "ray", ray_address="local", log=lambda m: None)
+    }
+    for name, p in on_ray.items():
+        assert (p.out / "_SUCCESS").is_file()
+        ours = json.loads((p.out / "provenance.json").read_text())["artifacts"]
+        theirs = json.loads((local[name].out / "provenance.json").read_text())["artifacts"]
+        assert ours == theirs, name
+    assert all(p.status == "done" for p in _plan_at(path, tmp_path / "ray").values())
+
+
+def _plan_at(path, root):
+    cfg, _, base = load_pipeline(path)
+    return {p.step.name: p for p in plan_pipeline(cfg, root.resolve(), base)}
+
+
+def test_a_bad_step_config_fails_before_anything_runs(tmp_path):
+    path = _pipeline(
+        tmp_path,
+        extra=[
+            {
+                "name": "t",
+                "kind": "train",
+                "inputs": {"train_tokens": "@tokens"},
+                "config": {"overrides": ["model.num_kv_heads=3"]},
+            }
+        ],
+    )
+    with pytest.raises(ConfigError, match="num_kv_heads: 3 does not divide"):
+        run_pipeline(path, log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+    spec = yaml.safe_load(path.read_text())
+    spec["steps"][0]["config"]["min_wrds"] = 3
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=r"pipeline step filter \(filter\): min_wrds: unknown key"):
+        run_pipeline(path, log=lambda m: None)

@@ -65,7 +65,7 @@ def _cmd_plan(args) -> int:
 def _cmd_run(args) -> int:
     from shipyard.pipeline.executor import run_pipeline
 
-    run_pipeline(args.pipeline, tuple(args.force), args.dry_run, args.root)
+    run_pipeline(args.pipeline, tuple(args.force), args.dry_run, args.root, ray_address=args.ray)
     return 0
 
 
@@ -558,6 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="append", default=[], metavar="STEP", help="rerun this step (repeatable)"
     )
     ru.add_argument("--root", type=Path, help="output root instead of the file's `root`")
+    ru.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the steps as Ray tasks on this cluster (`local` starts one here); the root must be shared storage",
+    )
     ru.set_defaults(func=_cmd_run)
 
     qs = sub.add_parser(

@@ -212,6 +212,34 @@ def _report(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     return {"report": str(out / "report.md")}
 
 
+_SCHEMAS = {
+    "extract": "ExtractConfig",
+    "filter": "FilterConfig",
+    "dedup": "DedupConfig",
+    "decontaminate": "DecontaminateConfig",
+    "tokenizer-train": "TokenizerTrainConfig",
+    "tokenize": "TokenizeConfig",
+}
+
+
+def validate(name: str, kind: str, config: dict) -> None:
+    """Check a step's config before anything runs (the same schemas the steps use); one-line ConfigError."""
+    from shipyard.data import configs
+
+    where = f"pipeline step {name} ({kind})"
+    if kind in _SCHEMAS:
+        configs.build_schema(configs.ReadConfig, config.get("read", {}), f"{where} read")
+        fields = {k: v for k, v in config.items() if k != "read"}
+        configs.build_schema(getattr(configs, _SCHEMAS[kind]), fields, where)
+    elif kind == "train":
+        from shipyard.config import load_config
+
+        unknown = set(config) - {"preset", "overrides"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (expected preset, overrides)")
+        load_config(config.get("preset", "tiny"), list(config.get("overrides", [])))
+
+
 STEPS: dict[str, StepFn] = {
     "stdlib": _stdlib,
     "extract": _stage("extract", "ExtractConfig", "extract"),
