@@ -169,3 +169,21 @@ def test_tensorboard_events_profile_trace_and_report_plots(tmp_path, byte_tokens
     assert main(["report", str(run)]) == 0
     png = run / "plots" / "metrics.png"
     assert png.stat().st_size > 20_000  # six panels of curves, not an empty canvas
+
+
+def test_wandb_offline_run_records_the_metrics(tmp_path, byte_tokens):
+    pytest.importorskip("wandb")
+    extra = (
+        "train.steps=6",
+        "train.logging.log_every=1",
+        "train.logging.wandb={project: shipyard-test, mode: offline}",
+    )
+    assert _train(tmp_path, byte_tokens, "wb", *extra) == 0
+    run = tmp_path / "wb"
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    # The offline log is protobuf records holding each value as JSON text: every logged loss is in it.
+    raw = next(offline[0].glob("run-*.wandb")).read_bytes()
+    rows = _metrics(run)
+    assert len(rows) == 6 and all(json.dumps(r["loss"]).encode() in raw for r in rows)
+    assert b"grad_norm" in raw and b"shipyard-test" in raw

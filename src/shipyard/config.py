@@ -259,6 +259,17 @@ class PrecisionConfig(Schema):
     """float16 only: double the loss scale after this many consecutive finite steps."""
 
 
+class WandbConfig(Schema):
+    """Weights & Biases logging (needs `pip install 'shipyard[wandb]'`)."""
+
+    project: str
+    """W&B project the run is logged to."""
+    entity: str | None = None
+    """W&B user or team; null uses the logged-in default."""
+    mode: Literal["online", "offline"] = "offline"
+    """offline writes <run>/wandb for a later `wandb sync` (no network or account needed); online streams."""
+
+
 class LoggingConfig(Schema):
     """What is recorded and shown while training."""
 
@@ -270,6 +281,8 @@ class LoggingConfig(Schema):
     """Peak FLOP/s of one device for MFU; null measures a matmul peak on CPU."""
     tensorboard: bool = True
     """Also write every metric as TensorBoard scalars under <run>/tb (`tensorboard --logdir runs/`)."""
+    wandb: WandbConfig | None = None
+    """Also log every metric to Weights & Biases; null disables."""
 
 
 class CheckpointConfig(Schema):

@@ -78,7 +78,14 @@ class MetricsWriter:
     `tensorboard_dir`, writes every numeric metric as a TensorBoard scalar (lists, e.g. the
     per-layer MoE loads, as `name/<index>`)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, purge_step: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        tensorboard_dir: Path | None = None,
+        purge_step: int | None = None,
+        wandb=None,
+        run_config: dict | None = None,
+    ):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run; closed by close())
         self._tb = None
@@ -88,6 +95,9 @@ class MetricsWriter:
             # purge_step: a resumed run hides the events logged after its checkpoint,
             # as truncate_metrics drops those metrics.jsonl lines.
             self._tb = SummaryWriter(str(tensorboard_dir), flush_secs=10, purge_step=purge_step)
+        self._wandb = None
+        if wandb is not None:
+            self._wandb = _start_wandb(wandb, path.parent, run_config or {})
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record, sort_keys=False) + "\n")
@@ -103,7 +113,46 @@ class MetricsWriter:
                     for i, v in enumerate(value):
                         self._tb.add_scalar(f"{key}/{i}", v, step)
 
+        if self._wandb is not None:
+            flat = {}
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    flat[key] = value
+                elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                    flat.update({f"{key}/{i}": v for i, v in enumerate(value)})
+            self._wandb.log(flat, step=record["step"])
+
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(cfg, run_dir: Path, run_config: dict):
+    """A W&B run for this run directory; its id is derived from the directory so --resume continues it."""
+    import hashlib
+    import os
+
+    from shipyard.errors import ConfigError
+
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError(
+            "train.logging.wandb: the wandb package is not installed (pip install 'shipyard[wandb]'), "
+            "or set train.logging.wandb to null"
+        ) from e
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        mode=cfg.mode,
+        dir=str(run_dir),
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        config=run_config,
+    )

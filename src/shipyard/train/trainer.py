@@ -244,7 +244,11 @@ def _train(
 
     log = cfg.train.logging
     tb = run_dir / "tb" if log.tensorboard else None
-    writer = MetricsWriter(run_dir / "metrics.jsonl", tb, start or None) if main else _NoWriter()
+    writer = (
+        MetricsWriter(run_dir / "metrics.jsonl", tb, start or None, log.wandb, cfg.model_dump(mode="json"))
+        if main
+        else _NoWriter()
+    )
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     bar = tqdm(
         total=cfg.train.steps,
