@@ -380,18 +380,17 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
 
 
 def load_run_params(run_dir: Path, step: int | None = None):
-    """(config, step, params as host numpy) from a run's checkpoint, restored sharded over the local devices
-    (fsdp over all of them when it divides) and copied to host one array at a time."""
+    """(config, step, params as host numpy) from a run's checkpoint: only the params (partial restore),
+    sharded over the local devices (fsdp over all of them when it divides), copied to host one array
+    at a time."""
     import jax
 
     from shipyard.config import MeshConfig, load_config
     from shipyard.errors import RunDirError
-    from shipyard.model.params import param_shardings
+    from shipyard.model.params import abstract_params, param_shardings
     from shipyard.model.transformer import param_specs
     from shipyard.parallel.mesh import make_mesh, rules_for
-    from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore
-    from shipyard.train.optim import build_optimizer
-    from shipyard.train.trainer import _abstract_state
+    from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore_params
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -412,9 +411,8 @@ def load_run_params(run_dir: Path, step: int | None = None):
     mesh = make_mesh(mesh_cfg, devices[:n])
     specs = param_specs(cfg.model)
     shardings = param_shardings(specs, mesh, rules_for(mesh_cfg))
-    abstract = _abstract_state(cfg, specs, shardings, build_optimizer(cfg.train, specs))
-    state = restore(checkpoint_dir(run_dir), step, abstract)
-    return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state.params)
+    params = restore_params(checkpoint_dir(run_dir), step, abstract_params(specs, shardings))
+    return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = 5 << 30) -> dict:

@@ -171,6 +171,18 @@ def restore(directory: Path, step: int, abstract_state):
         return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
 
+def restore_params(directory: Path, step: int, abstract_params):
+    """Only the params of checkpoint `step` (Orbax partial restore): the optimizer moments,
+    twice the params' size, are never read, and no train state has to be built to
+    restore into (what export, eval and generate need)."""
+    target = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    with ocp.CheckpointManager(Path(directory).absolute()) as manager:
+        return manager.restore(step, args=args)["params"]
+
+
 def restore_latest(directory: Path, abstract_state, say: Callable[[str], None] = print):
     """(step, state) from the newest checkpoint that verifies and loads; older ones on failure, saying why."""
     steps = available_steps(directory)
