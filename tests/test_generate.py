@@ -30,7 +30,14 @@ def _greedy_full_forward(params, cfg, prompt, n):
 
 
 @pytest.mark.parametrize(
-    "overrides", [[], ["model.tie_embeddings=true", "model.qk_norm=true"], ["model.qkv_bias=true"]]
+    "overrides",
+    [
+        [],
+        ["model.tie_embeddings=true", "model.qk_norm=true"],
+        ["model.qkv_bias=true"],
+        ["model.sliding_window=5"],  # prompts + 12 new tokens run past the window
+        ["model.sliding_window=4", "model.global_attention_every=2"],
+    ],
 )
 def test_cached_greedy_equals_full_forward_for_a_padded_batch(overrides):
     cfg = load_config("tiny", overrides).model

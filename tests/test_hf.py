@@ -302,3 +302,47 @@ def test_qwen2_import_and_export_with_qkv_biases(tmp_path):
         np.testing.assert_allclose(
             again(torch.from_numpy(tokens)).logits.numpy(), theirs, atol=1e-4, rtol=1e-4
         )
+
+
+def test_mistral_sliding_window_import_and_export(tmp_path):
+    hf_cfg = transformers.MistralConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=6,
+        tie_word_embeddings=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(2)
+    model = transformers.MistralForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    cfg = model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert cfg.sliding_window == 6 and cfg.global_attention_every is None
+    params = from_hf_tensors(read_safetensors(tmp_path / "hf"), cfg)
+    tokens = np.random.default_rng(6).integers(0, 300, (2, 24))  # 4x the window: the window matters
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(logits(params, jnp.asarray(tokens), cfg))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    glob_cfg = cfg.model_copy(update={"sliding_window": None})
+    assert np.abs(np.asarray(logits(params, jnp.asarray(tokens), glob_cfg)) - theirs).max() > 1e-2
+    out = tmp_path / "out"
+    out.mkdir()
+    write_safetensors(to_hf_tensors(params, cfg), out)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg)))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    assert type(again).__name__ == "MistralForCausalLM"
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            again(torch.from_numpy(tokens)).logits.numpy(), theirs, atol=1e-4, rtol=1e-4
+        )
+    interleaved = load_config("tiny", ["model.sliding_window=8", "model.global_attention_every=2"]).model
+    with pytest.raises(DataError, match="interleaved local/global"):
+        hf_config(interleaved)

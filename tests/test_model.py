@@ -158,3 +158,24 @@ def test_flops_per_token_counts_every_matmul_weight(overrides):
     matmul = num_params(cfg) - norms - (0 if cfg.tie_embeddings else specs.embed.size)
     seq = 128
     assert flops_per_token(cfg, seq) == 6 * matmul + 12 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+
+
+def test_sliding_window_attention_equals_a_masked_reference():
+    from shipyard.model.layers import grouped_attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 10, 2, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 10, 2, 8)), jnp.float32)
+    got = np.asarray(grouped_attention(q, k, v, window=3))
+    scores = np.einsum("bqkgd,bskd->bkgqs", q, k) / np.sqrt(8)
+    i, j = np.arange(10)[:, None], np.arange(10)[None, :]
+    scores = np.where((j <= i) & (i - j < 3), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bkgqs,bskd->bqkgd", probs, v)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # a window longer than the sequence is plain causal attention
+    np.testing.assert_allclose(
+        np.asarray(grouped_attention(q, k, v, window=10)), np.asarray(grouped_attention(q, k, v))
+    )

@@ -112,6 +112,10 @@ class ModelConfig(Schema):
     """Epsilon inside RMSNorm's square root."""
     qk_norm: bool = False
     """Apply RMSNorm to queries and keys per head before RoPE (OLMo-2 / Qwen-3 style)."""
+    sliding_window: int | None = Field(None, gt=0)
+    """Local attention: a token sees at most this many positions (itself included); null attends to the whole prefix."""
+    global_attention_every: int | None = Field(None, gt=0)
+    """With sliding_window: every this-many-th layer (layers n-1, 2n-1, ...) attends globally, the rest locally; null: every layer is local (Mistral)."""
     qkv_bias: bool = False
     """Learned biases on the query, key and value projections (Qwen2 style); the output projection has none."""
     tie_embeddings: bool = False

@@ -94,6 +94,11 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "rope_scaling": None if cfg.rope_scaling is None else rope,
         "rope_parameters": rope,
     }
+    if cfg.sliding_window is not None and (cfg.global_attention_every is not None or cfg.qkv_bias):
+        raise DataError(
+            "export hf: interleaved local/global attention (global_attention_every) or a sliding window with "
+            "qkv_bias has no Hugging Face architecture shipyard exports; Mistral/Mixtral windows every layer"
+        )
     if cfg.qkv_bias:
         if cfg.moe is not None:
             raise DataError(
@@ -112,9 +117,16 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
             num_experts_per_tok=cfg.moe.experts_per_token,
             router_aux_loss_coef=cfg.moe.aux_loss,
             output_router_logits=False,
-            sliding_window=None,
+            sliding_window=cfg.sliding_window,
         )
         out.pop("mlp_bias")
+    elif cfg.sliding_window is not None and not cfg.qkv_bias:
+        # Mistral is Llama with one sliding window on every layer.
+        out.update(
+            architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=cfg.sliding_window
+        )
+        for key in ("attention_bias", "mlp_bias"):
+            out.pop(key)
     if bos_id is not None:
         out["bos_token_id"] = bos_id
     if eos_id is not None:
@@ -123,7 +135,7 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
 
 
 def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
-    """A shipyard ModelConfig for a Llama / Mistral config.json (one line naming what does not fit)."""
+    """A shipyard ModelConfig for a Llama / Mistral / Qwen2 / Mixtral config.json (one line naming what does not fit)."""
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise DataError(f"import hf: {where} is a {arch}; supported: {', '.join(ARCHITECTURES)}")
@@ -136,12 +148,10 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         raise DataError(f"import hf: {where} sets use_sliding_window=true; shipyard attends globally")
     if config.get("hidden_act", "silu") != "silu":
         raise DataError(f"import hf: {where} has hidden_act={config['hidden_act']!r}; expected silu")
-    if config.get("sliding_window") and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        window = config["sliding_window"]
-        if window < config.get("max_position_embeddings", 0):
-            raise DataError(
-                f"import hf: {where} uses a sliding window of {window}; shipyard attends globally"
-            )
+    # A window as long as the context is no window at all.
+    window = config.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    if window is not None and window >= config.get("max_position_embeddings", 0):
+        window = None
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = None
@@ -178,6 +188,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
+        sliding_window=window,
         moe=moe,
     )
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
 from shipyard.model import layers
-from shipyard.model.transformer import TransformerParams, mlp_block, output_weights
+from shipyard.model.transformer import TransformerParams, layer_windows, mlp_block, output_weights
 
 
 class KVCache(NamedTuple):
@@ -53,7 +53,7 @@ def forward_cached(
     x = jnp.take(params.embed, tokens, axis=0)
 
     def body(x, layer):
-        p, k_cache, v_cache = layer
+        p, k_cache, v_cache, window = layer
         h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
         q = jnp.einsum("bte,ekgd->btkgd", h, p.wq.reshape(p.wq.shape[0], K, G, D))
         k = jnp.einsum("bte,ekd->btkd", h, p.wk)
@@ -68,7 +68,10 @@ def forward_cached(
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) / jnp.sqrt(D)
-        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        seen = visible
+        if window is not None:  # sliding window: keys within the last `window` slots
+            seen = seen & (slots[None, :, None] - keys[None, None, :] < window)
+        scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
         attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, K * G * D)
         x = x + attn @ p.wo.reshape(-1, p.wo.shape[-1])
@@ -76,9 +79,10 @@ def forward_cached(
 
     # The cache spans all layers; each stack (dense, then MoE) scans its slice.
     ks, vs, first = [], [], 0
-    for blocks, _ in params.stacks():
+    for (blocks, _), windows in zip(params.stacks(), layer_windows(cfg)):
         n = jax.tree.leaves(blocks)[0].shape[0]
-        x, (k, v) = jax.lax.scan(body, x, (blocks, cache.k[first : first + n], cache.v[first : first + n]))
+        layer = (blocks, cache.k[first : first + n], cache.v[first : first + n], windows)
+        x, (k, v) = jax.lax.scan(body, x, layer)
         ks.append(k)
         vs.append(v)
         first += n

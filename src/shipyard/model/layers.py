@@ -93,20 +93,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, window=None
 ) -> jax.Array:
     """Causal grouped-query attention on grouped queries.
 
     q: [batch, seq, kv_heads, group, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
     Each group of query heads shares one KV head, so KV is never repeated.
     Scores and softmax are fp32. segment_ids ([batch, seq], optional) stop
-    attention across packed documents. Returns q's shape.
+    attention across packed documents; `window` (optional) limits each query
+    to the last `window` positions. Returns q's shape.
     """
     s, d = q.shape[1], q.shape[-1]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(d))
     pos = jnp.arange(s)
     mask = pos[:, None] >= pos[None, :]
+    if window is not None:  # a traced per-layer size under scan; >= seq means global
+        mask = mask & (pos[:, None] - pos[None, :] < window)
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = (mask[None] & same)[:, None, None]

@@ -143,7 +143,24 @@ _REMAT_POLICIES = {
 }
 
 
-def attention_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids) -> jax.Array:
+def layer_windows(cfg: ModelConfig) -> list[jax.Array | None]:
+    """Per stack (as `params.stacks()` orders them), each layer's attention window, or None
+    when no layer is local. Global layers get a window no sequence reaches."""
+    if cfg.sliding_window is None:
+        return [None, None]
+    every = cfg.global_attention_every
+    sizes = [
+        2**30 if every is not None and (i + 1) % every == 0 else cfg.sliding_window
+        for i in range(cfg.num_layers)
+    ]
+    d = cfg.num_dense_layers
+    stacks = [sizes[:d], sizes[d:]]
+    return [jnp.asarray(w, jnp.int32) for w in stacks if w]
+
+
+def attention_block(
+    cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids, window=None
+) -> jax.Array:
     """x plus the attention branch of one block."""
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
@@ -163,7 +180,7 @@ def attention_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, se
         k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
-    attn = layers.grouped_attention(q, k, v, segment_ids)
+    attn = layers.grouped_attention(q, k, v, segment_ids, window)
     return x + layers.dense(attn.reshape(*attn.shape[:2], -1), p.wo.reshape(-1, p.wo.shape[-1]))
 
 
@@ -207,17 +224,18 @@ def forward(
     )
     x = constrain(jnp.take(params.embed, tokens, axis=0))
 
-    def body(x, p):
-        x = attention_block(cfg, x, p, cos, sin, segment_ids)
+    def body(x, layer):
+        p, window = layer
+        x = attention_block(cfg, x, p, cos, sin, segment_ids, window)
         x, stats = mlp_block(cfg, x, p, mesh, rules)
         return constrain(x), stats
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     stats = None
-    for blocks, _ in params.stacks():
+    for (blocks, _), windows in zip(params.stacks(), layer_windows(cfg)):
         n = jax.tree.leaves(blocks)[0].shape[0]
-        x, stats_n = jax.lax.scan(body, x, blocks, unroll=min(cfg.scan_unroll, n))
+        x, stats_n = jax.lax.scan(body, x, (blocks, windows), unroll=min(cfg.scan_unroll, n))
         stats = stats_n if stats_n is not None else stats
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
 
