@@ -346,3 +346,62 @@ def test_mistral_sliding_window_import_and_export(tmp_path):
     interleaved = load_config("tiny", ["model.sliding_window=8", "model.global_attention_every=2"]).model
     with pytest.raises(DataError, match="interleaved local/global"):
         hf_config(interleaved)
+
+
+def _corrupt(hf_dir, edit):
+    """Rewrite model.safetensors's JSON header (8-byte little-endian length + JSON) with `edit`."""
+    path = hf_dir / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    new_header, body = edit(header, raw[8 + n :])
+    text = json.dumps(new_header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+def test_import_refuses_corrupt_safetensors_and_writes_nothing(tmp_path):
+    from shipyard.interop.hf import import_hf
+
+    cfg = load_config("tiny").model
+    src = tmp_path / "hf"
+    src.mkdir()
+    write_safetensors(to_hf_tensors(_random_params(cfg), cfg), src)
+    (src / "config.json").write_text(json.dumps(hf_config(cfg)))
+    pristine = (src / "model.safetensors").read_bytes()
+
+    def attempt(match):
+        out = tmp_path / "out"
+        with pytest.raises(DataError, match=match):
+            import_hf(src, out)
+        assert not out.exists() and not list(tmp_path.glob(".out*"))  # nothing written, no temp left
+        (src / "model.safetensors").write_bytes(pristine)
+
+    raw = bytearray(pristine)
+    raw[:8] = (len(pristine) * 2).to_bytes(8, "little")  # header length beyond the file
+    (src / "model.safetensors").write_bytes(bytes(raw))
+    attempt("not a readable safetensors file")
+
+    def out_of_range(header, body):
+        name = "model.norm.weight"
+        start, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [start, len(body) + 4096]
+        return header, body
+
+    _corrupt(src, out_of_range)
+    attempt("not a readable safetensors file")
+
+    def as_int(header, body):
+        header["model.norm.weight"]["dtype"] = "I32"  # same byte size, wrong kind
+        return header, body
+
+    _corrupt(src, as_int)
+    attempt("model.norm.weight has dtype int32; expected a float type")
+
+    tensors = to_hf_tensors(_random_params(cfg), cfg)
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    write_safetensors(tensors, src)  # a well-formed file that lacks a tensor
+    attempt("lacks tensor model.layers.0.self_attn.k_proj.weight")
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    attempt("never loads")
