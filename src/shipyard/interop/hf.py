@@ -198,31 +198,38 @@ def _layer_slices(params):
     return [(blocks, j) for blocks, _ in params.stacks() for j in range(blocks.attn_norm.shape[0])]
 
 
-def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF Llama / Mixtral state dict (numpy, fp32) from shipyard params (any array type)."""
+def iter_hf_tensors(params, cfg: ModelConfig):
+    """(name, numpy) pairs of the HF Llama / Mixtral state dict, one tensor at a time, in file order.
+
+    `params` may be sharded device arrays: each tensor (one layer's matrix, one
+    expert's) is copied to the host only when it is yielded, so an export
+    holds at most the safetensors shard being written (see write_safetensors).
+    """
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.moe is not None:
         _check_mixtral(cfg)
-    out = {
-        "model.embed_tokens.weight": np.asarray(params.embed),
-        "model.norm.weight": np.asarray(params.final_norm),
-    }
+
+    def host(x):
+        return np.ascontiguousarray(np.asarray(x), dtype=np.float32)
+
+    yield "model.embed_tokens.weight", host(params.embed)
+    yield "model.norm.weight", host(params.final_norm)
     for i, (b, j) in enumerate(_layer_slices(params)):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = np.asarray(b.attn_norm[j])
-        out[p + "post_attention_layernorm.weight"] = np.asarray(b.mlp_norm[j])
-        out[p + "self_attn.q_proj.weight"] = np.asarray(b.wq[j]).reshape(E, H * D).T
-        out[p + "self_attn.k_proj.weight"] = np.asarray(b.wk[j]).reshape(E, K * D).T
-        out[p + "self_attn.v_proj.weight"] = np.asarray(b.wv[j]).reshape(E, K * D).T
-        out[p + "self_attn.o_proj.weight"] = np.asarray(b.wo[j]).reshape(H * D, E).T
+        yield p + "input_layernorm.weight", host(b.attn_norm[j])
+        yield p + "post_attention_layernorm.weight", host(b.mlp_norm[j])
+        yield p + "self_attn.q_proj.weight", host(np.asarray(b.wq[j]).reshape(E, H * D).T)
+        yield p + "self_attn.k_proj.weight", host(np.asarray(b.wk[j]).reshape(E, K * D).T)
+        yield p + "self_attn.v_proj.weight", host(np.asarray(b.wv[j]).reshape(E, K * D).T)
+        yield p + "self_attn.o_proj.weight", host(np.asarray(b.wo[j]).reshape(H * D, E).T)
         if b.bq is not None:
-            out[p + "self_attn.q_proj.bias"] = np.asarray(b.bq[j]).reshape(H * D)
-            out[p + "self_attn.k_proj.bias"] = np.asarray(b.bk[j]).reshape(K * D)
-            out[p + "self_attn.v_proj.bias"] = np.asarray(b.bv[j]).reshape(K * D)
+            yield p + "self_attn.q_proj.bias", host(np.asarray(b.bq[j]).reshape(H * D))
+            yield p + "self_attn.k_proj.bias", host(np.asarray(b.bk[j]).reshape(K * D))
+            yield p + "self_attn.v_proj.bias", host(np.asarray(b.bv[j]).reshape(K * D))
         if b.moe is None:
-            out[p + "mlp.gate_proj.weight"] = np.asarray(b.w_gate[j]).T
-            out[p + "mlp.up_proj.weight"] = np.asarray(b.w_up[j]).T
-            out[p + "mlp.down_proj.weight"] = np.asarray(b.w_down[j]).T
+            yield p + "mlp.gate_proj.weight", host(np.asarray(b.w_gate[j]).T)
+            yield p + "mlp.up_proj.weight", host(np.asarray(b.w_up[j]).T)
+            yield p + "mlp.down_proj.weight", host(np.asarray(b.w_down[j]).T)
             continue
         if np.any(np.asarray(b.moe.router_bias[j])):
             raise DataError(
@@ -231,16 +238,19 @@ def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
             )
         # Mixtral on disk: block_sparse_moe.gate [experts, embed]; experts.N.w1 (gate) and
         # w3 (up) [F, embed], w2 (down) [embed, F] (transformers 5 fuses them when loading).
-        out[p + "block_sparse_moe.gate.weight"] = np.asarray(b.moe.router[j]).T
-        gate, up, down = (np.asarray(w[j]) for w in (b.moe.w_gate, b.moe.w_up, b.moe.w_down))
-        for x in range(gate.shape[0]):
+        yield p + "block_sparse_moe.gate.weight", host(np.asarray(b.moe.router[j]).T)
+        for x in range(b.moe.w_gate.shape[1]):
             q = f"{p}block_sparse_moe.experts.{x}."
-            out[q + "w1.weight"] = gate[x].T
-            out[q + "w3.weight"] = up[x].T
-            out[q + "w2.weight"] = down[x].T
+            yield q + "w1.weight", host(np.asarray(b.moe.w_gate[j, x]).T)
+            yield q + "w3.weight", host(np.asarray(b.moe.w_up[j, x]).T)
+            yield q + "w2.weight", host(np.asarray(b.moe.w_down[j, x]).T)
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(params.lm_head).T
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+        yield "lm_head.weight", host(np.asarray(params.lm_head).T)
+
+
+def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The whole HF state dict in memory (tests, small models); exports stream `iter_hf_tensors`."""
+    return dict(iter_hf_tensors(params, cfg))
 
 
 def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
@@ -339,29 +349,42 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str
     )
 
 
-def write_safetensors(
-    tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int = 5 << 30
-) -> list[str]:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than max_shard_bytes."""
+def write_safetensors(tensors, out_dir: Path, max_shard_bytes: int = 5 << 30) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than max_shard_bytes.
+
+    `tensors` is a dict or an iterable of (name, array) pairs; each shard is
+    written as soon as it is full, so only one shard's tensors are in memory.
+    Shards get their final names once their count is known.
+    """
     from safetensors.numpy import save_file
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush():
+        path = out_dir / f".shard-{len(written):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for name, t in items:
+        if shard and size + t.nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
         size += t.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        total += t.nbytes
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out_dir / "model.safetensors")
         return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
     weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    for name, (path, keys) in zip(names, written):
+        path.rename(out_dir / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return names
 
@@ -390,10 +413,10 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- run directories
 
 
-def load_run_params(run_dir: Path, step: int | None = None):
-    """(config, step, params as host numpy) from a run's checkpoint: only the params (partial restore),
-    sharded over the local devices (fsdp over all of them when it divides), copied to host one array
-    at a time."""
+def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True):
+    """(config, step, params) from a run's checkpoint: only the params (partial restore), sharded over
+    the local devices (fsdp over all of them when it divides); with `to_host` copied to host numpy one
+    array at a time, else left as those sharded device arrays."""
     import jax
 
     from shipyard.config import MeshConfig, load_config
@@ -423,6 +446,8 @@ def load_run_params(run_dir: Path, step: int | None = None):
     specs = param_specs(cfg.model)
     shardings = param_shardings(specs, mesh, rules_for(mesh_cfg))
     params = restore_params(checkpoint_dir(run_dir), step, abstract_params(specs, shardings))
+    if not to_host:
+        return cfg, step, params
     return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
@@ -432,7 +457,8 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes
 
     from shipyard.data.stage import stage_output
 
-    cfg, step, params = load_run_params(run_dir, step)
+    # Params stay sharded on the local devices; tensors reach the host one at a time.
+    cfg, step, params = load_run_params(run_dir, step, to_host=False)
     tokenizer_dir = _tokenizer_of(cfg)
     ids = {}
     if tokenizer_dir is not None:
@@ -440,7 +466,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes
 
         ids = special_token_ids(tokenizer_dir, load_tokenizer(tokenizer_dir))
     with stage_output(Path(out), overwrite=False, stage="export hf") as tmp:
-        files = write_safetensors(to_hf_tensors(params, cfg.model), tmp, max_shard_bytes)
+        files = write_safetensors(iter_hf_tensors(params, cfg.model), tmp, max_shard_bytes)
         config = hf_config(cfg.model, ids.get("bos_token"), ids.get("eos_token"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {
