@@ -176,8 +176,11 @@ def test_two_process_cluster_matches_one_process_and_resumes_on_four_devices(tmp
 
 
 @pytest.mark.slow
-def test_launch_on_a_local_ray_instance(tmp_path, byte_tokens):
+def test_launch_on_a_local_ray_instance(tmp_path, byte_tokens, monkeypatch):
     pytest.importorskip("ray")
+    # Ray >= 2.5x turns on token auth once ~/.ray/auth_token exists (any earlier local
+    # ray.init writes one); a throwaway test cluster runs without it, explicitly.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     from shipyard.parallel.launch import free_port
 
     port = free_port()

@@ -166,8 +166,9 @@ def test_quickstart_pipeline_beats_unigram_and_reproduces(tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_executor_runs_the_same_steps_with_the_same_artifacts(tmp_path):
+def test_ray_executor_runs_the_same_steps_with_the_same_artifacts(tmp_path, monkeypatch):
     pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token left behind (see test_parallel)
     path = _pipeline(tmp_path)
     local = {p.step.name: p for p in run_pipeline(path, root=tmp_path / "local", log=lambda m: None)}
     on_ray = {
@@ -207,3 +208,13 @@ def test_a_bad_step_config_fails_before_anything_runs(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=r"pipeline step filter \(filter\): min_wrds: unknown key"):
         run_pipeline(path, log=lambda m: None)
+
+
+def test_the_packaged_quickstart_pipeline_validates_and_plans(tmp_path):
+    from importlib import resources
+
+    pipeline = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml")
+    planned = run_pipeline(str(pipeline), dry_run=True, root=tmp_path / "qs", log=lambda m: None)
+    assert [p.step.name for p in planned][:2] == ["documents", "filter"]
+    assert all(p.status == "run" and p.reason == "new" for p in planned)
+    assert not (tmp_path / "qs").exists()  # a dry run writes nothing

@@ -160,7 +160,7 @@ def plan_pipeline(cfg: PipelineConfig, root: Path, base: Path, force: tuple[str,
     planned: dict[str, Planned] = {}
     version = _version()
     for s in cfg.steps:
-        validate(s.name, s.kind, s.config)
+        validate(s.name, s.kind, s.config, tuple(s.inputs))
     for s in _order(cfg):
         inputs, hashes = {}, {}
         for role, ref in s.inputs.items():

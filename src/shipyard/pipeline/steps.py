@@ -222,8 +222,9 @@ _SCHEMAS = {
 }
 
 
-def validate(name: str, kind: str, config: dict) -> None:
-    """Check a step's config before anything runs (the same schemas the steps use); one-line ConfigError."""
+def validate(name: str, kind: str, config: dict, roles=()) -> None:
+    """Check a step's config before anything runs (the same schemas the steps use); one-line ConfigError.
+    `roles` are the step's input roles."""
     from shipyard.data import configs
 
     where = f"pipeline step {name} ({kind})"
@@ -237,7 +238,10 @@ def validate(name: str, kind: str, config: dict) -> None:
         unknown = set(config) - {"preset", "overrides"}
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (expected preset, overrides)")
-        load_config(config.get("preset", "tiny"), list(config.get("overrides", [])))
+        # The data paths come from the inputs at run time; stand-ins let the
+        # cross-field checks (eval_every needs validation tokens) see them.
+        stand_ins = [f"data.{r}=<input>" for r in ("train_tokens", "validation_tokens") if r in roles]
+        load_config(config.get("preset", "tiny"), [*config.get("overrides", []), *stand_ins])
 
 
 STEPS: dict[str, StepFn] = {
