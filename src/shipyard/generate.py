@@ -78,8 +78,8 @@ def _decode_compiler_options() -> dict[str, str] | None:
     cpu_tuning turns YNNPACK dot and elementwise fusions on, which pays off
     for large matrices (training, and the prefill here). A decode step
     multiplies a few rows by each weight matrix, and there the YNNPACK calls
-    cost more than they save (the `small` model's decode step, 2 cores:
-    about 12-14 ms with them, 8-11 ms without).
+    cost more than they save (forward_cached's decode step for the `small`
+    model on 2 cores: about 12-14 ms with them, 8-11 ms without).
     """
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
 
