@@ -112,18 +112,28 @@ def test_a_killed_step_leaves_no_marker_and_is_redone(tmp_path):
     }
     path = _pipeline(tmp_path, extra=[train])
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shipyard.cli", "run", str(path)], env=env, stdout=subprocess.PIPE, text=True
-    )
-    plan = _plan(path)
-    deadline = time.time() + 240
-    while not (plan["train"].out / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    metrics = _plan(path)["train"].out / "metrics.jsonl"
+
+    def start_and_kill_once(training):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shipyard.cli", "run", str(path)], env=env, stdout=subprocess.DEVNULL
+        )
+        deadline = time.time() + 240
+        while not training() and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    start_and_kill_once(metrics.exists)
     after = _plan(path)
     assert after["tokens"].status == "done"
     assert after["train"].status == "run" and after["train"].reason.startswith("incomplete")
+    assert not (after["train"].out / "_SUCCESS").exists()
+    # The next run clears the unfinished directory and runs the step again from the start.
+    stale = after["train"].out / "left-over"
+    stale.write_text("from the killed attempt")
+    start_and_kill_once(lambda: not stale.exists() and metrics.exists())
+    assert not stale.exists() and metrics.exists()
     assert not (after["train"].out / "_SUCCESS").exists()
 
 
