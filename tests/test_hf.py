@@ -52,6 +52,19 @@ def _hf_model(config: dict, tensors: dict | None = None):
     return model
 
 
+def _noisy_hf_model(model_cls, hf_cfg, seed: int, out_dir):
+    """A transformers model (eager attention) with noise on every weight, biases included (they start
+    at zero), saved as safetensors to out_dir."""
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return model
+
+
 def _tokens():
     return np.random.default_rng(3).integers(0, 512, (2, 24))
 
@@ -88,12 +101,7 @@ def test_import_of_a_transformers_model_gives_its_logits(tmp_path):
         "tie_word_embeddings": False,
         "rope_theta": 10000.0,
     }
-    torch.manual_seed(0)
-    model = _hf_model(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = _noisy_hf_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**config), 0, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     cfg = model_config_from_hf(saved)
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.tie_embeddings) == (2, 8, False)
@@ -235,13 +243,7 @@ def test_mixtral_import_of_a_transformers_model_gives_its_logits(tmp_path):
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = _noisy_hf_model(transformers.MixtralForCausalLM, hf_cfg, 0, tmp_path)
     cfg = model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe.expert_intermediate_size) == (4, 2, 40)
     params = from_hf_tensors(read_safetensors(tmp_path), cfg)
@@ -273,13 +275,7 @@ def test_qwen2_import_and_export_with_qkv_biases(tmp_path):
         max_position_embeddings=128,
         tie_word_embeddings=True,
     )
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(1)
-    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # biases included: they start at zero
-    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    model = _noisy_hf_model(transformers.Qwen2ForCausalLM, hf_cfg, 1, tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg = model_config_from_hf(config)
     assert cfg.qkv_bias and cfg.tie_embeddings
@@ -316,13 +312,7 @@ def test_mistral_sliding_window_import_and_export(tmp_path):
         sliding_window=6,
         tie_word_embeddings=False,
     )
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(2)
-    model = transformers.MistralForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    model = _noisy_hf_model(transformers.MistralForCausalLM, hf_cfg, 2, tmp_path / "hf")
     cfg = model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert cfg.sliding_window == 6 and cfg.global_attention_every is None
     params = from_hf_tensors(read_safetensors(tmp_path / "hf"), cfg)
