@@ -130,14 +130,14 @@ def test_gradients_reach_router_and_experts_finite_differences():
 def _grads_on(cfg, params, tokens, mesh=None):
     batch = {"tokens": tokens, "loss_mask": jnp.ones((tokens.shape[0], tokens.shape[1] - 1))}
     if mesh is None:
-        return jax.jit(make_gradient_fn(cfg))(params, batch, 1.0)
+        return jax.jit(make_gradient_fn(cfg))(params, None, batch, 1.0)
     rules = rules_for(cfg.mesh)
     params = jax.device_put(params, param_shardings(param_specs(cfg.model), mesh, rules))
     spec = logical_to_pspec(("batch", "seq"), tokens.shape, mesh, rules)
     batch = jax.device_put(batch, NamedSharding(mesh, spec))
     shape = (tokens.shape[0], tokens.shape[1] - 1, cfg.model.hidden_size)
     act = NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
-    return jax.jit(make_gradient_fn(cfg, None, act, rules))(params, batch, 1.0)
+    return jax.jit(make_gradient_fn(cfg, None, act, rules))(params, None, batch, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -86,8 +86,8 @@ def test_nonfinite_gradient_skips_update():
 def test_grad_accumulation_matches_full_batch():
     cfg1, state, full, batch = _setup([], batch_size=8)
     cfg4, _, accum, _ = _setup(["train.microbatches=4"], batch_size=8)
-    g1, s1, _ = jax.jit(make_gradient_fn(cfg1))(state.params, batch, 1.0)
-    g4, s4, _ = jax.jit(make_gradient_fn(cfg4))(state.params, batch, 1.0)
+    g1, s1, _ = jax.jit(make_gradient_fn(cfg1))(state.params, None, batch, 1.0)
+    g4, s4, _ = jax.jit(make_gradient_fn(cfg4))(state.params, None, batch, 1.0)
     assert float(s1.ce) == pytest.approx(float(s4.ce), rel=1e-5) and float(s1.tokens) == float(s4.tokens)
     for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-7)
@@ -128,7 +128,7 @@ def test_remat_policies_give_the_same_gradients():
     grads = {}
     for remat in ("none", "full", "save_dots"):
         cfg, state, _, batch = _setup([f"model.remat={remat}", "model.scan_unroll=1"])
-        grads[remat] = jax.jit(make_gradient_fn(cfg))(state.params, batch, 1.0)[0]
+        grads[remat] = jax.jit(make_gradient_fn(cfg))(state.params, None, batch, 1.0)[0]
     for other in ("full", "save_dots"):
         for x, y in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[other])):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)

@@ -272,6 +272,33 @@ def _cmd_export_hf(args) -> int:
     return 0
 
 
+def _cmd_export_peft(args) -> int:
+    from shipyard.interop.peft import export_peft
+
+    info = export_peft(args.run_dir, args.out, args.step, args.base)
+    print(
+        f"exported the LoRA adapters of checkpoint {info['step']} of {args.run_dir} to {args.out} "
+        f"({info['tensors']} tensors on {', '.join(info['targets'])}); load with peft.PeftModel.from_pretrained("
+        f"<the base exported with `shipyard export hf`>, {str(args.out)!r})"
+    )
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    from shipyard.chat import load_chat_model, run_chat
+
+    model = load_chat_model(args.run_dir, args.step, args.template)
+    return run_chat(
+        model,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
 def _cmd_import_hf(args) -> int:
     from shipyard.interop.hf import import_hf
 
@@ -289,7 +316,7 @@ def _cmd_generate(args) -> int:
     from shipyard.interop.hf import _tokenizer_of, load_run_params
 
     cfg, step, params = load_run_params(args.run_dir, args.step)
-    tok_dir = _tokenizer_of(cfg)
+    tok_dir = _tokenizer_of(cfg, args.run_dir)
     if tok_dir is None:
         raise DataError(
             f"generate: no tokenizer.json next to the training data of {args.run_dir}; train on token shards"
@@ -335,7 +362,9 @@ def _cmd_eval(args) -> int:
     for item in args.task:
         kind, sep, path = item.partition(":")
         if not sep:
-            raise ConfigError(f"eval --task {item!r}: expected mc:FILE.jsonl or cloze:FILE.jsonl")
+            raise ConfigError(
+                f"eval --task {item!r}: expected mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl"
+            )
         tasks.append((kind, path))
     report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step)
     out = args.out or args.run_dir / "eval.json"
@@ -494,6 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     exh.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     exh.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors above this size")
     exh.set_defaults(func=_cmd_export_hf)
+    exp = ex_sub.add_parser(
+        "peft", help="a LoRA run's adapters as a PEFT directory (adapter_config.json + safetensors)"
+    )
+    exp.add_argument("run_dir", type=Path, help="a run trained with train.finetune.lora")
+    exp.add_argument("out", type=Path, help="output directory (must not exist)")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    exp.add_argument(
+        "--base",
+        default=None,
+        help="recorded as base_model_name_or_path (the exported base model's directory)",
+    )
+    exp.set_defaults(func=_cmd_export_peft)
 
     im = sub.add_parser("import", help="import a checkpoint from another format")
     im_sub = im.add_subparsers(dest="import_command", required=True, parser_class=_Parser)
@@ -516,13 +557,34 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--step", type=int, default=None, help="checkpoint step")
     ge.set_defaults(func=_cmd_generate)
 
+    ch = sub.add_parser("chat", help="talk to a chat-tuned run in the terminal (streamed replies)")
+    ch.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    ch.add_argument("--system", default=None, help="system message for the conversation")
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    ch.add_argument("--top-k", type=int, default=50)
+    ch.add_argument("--top-p", type=float, default=0.95)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument(
+        "--template",
+        choices=["auto", "shipyard", "chatml", "llama3"],
+        default=None,
+        help="chat template (default: the one the run trained with)",
+    )
+    ch.add_argument("--step", type=int, default=None, help="checkpoint step")
+    ch.set_defaults(func=_cmd_chat)
+
     ev = sub.add_parser("eval", help="held-out loss / perplexity / bits-per-byte and log-likelihood tasks")
     ev.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
     ev.add_argument(
         "--tokens", action="append", default=[], metavar="NAME=DIR", help="a held-out token-shard set"
     )
     ev.add_argument(
-        "--task", action="append", default=[], metavar="KIND:FILE", help="mc:FILE.jsonl or cloze:FILE.jsonl"
+        "--task",
+        action="append",
+        default=[],
+        metavar="KIND:FILE",
+        help="mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl (exact match of the last assistant reply)",
     )
     ev.add_argument("--max-sequences", type=int, default=64, help="sequences scored per token set")
     ev.add_argument("--step", type=int, default=None, help="checkpoint step")

@@ -181,6 +181,21 @@ class MixtureComponent(Schema):
     """Relative share of training sequences drawn from this source (weights are normalised)."""
 
 
+class ChatDataConfig(Schema):
+    """Chat conversations for supervised fine-tuning (SFT), rendered with a chat template and packed."""
+
+    train: str
+    """JSONL file, one conversation per line: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}."""
+    validation: str | None = None
+    """Held-out conversations (same format) for the in-loop val_loss (train.eval_every), on assistant tokens only."""
+    tokenizer: str | None = None
+    """tokenizer.json (or a directory holding one); null takes the tokenizer of train.init_from (a run or an `import hf` directory)."""
+    template: Literal["auto", "shipyard", "chatml", "llama3"] = "auto"
+    """Chat template: shipyard (<|system|>/<|user|>/<|assistant|> ... <|end|>), chatml (<|im_start|>role ... <|im_end|>), llama3 (<|start_header_id|>role<|end_header_id|> ... <|eot_id|>); auto picks the one whose special tokens the tokenizer has."""
+    pack: bool = True
+    """Pack several conversations into each sequence (attention and positions restart at each one); false: one conversation per sequence, padded."""
+
+
 class DataConfig(Schema):
     """Where training tokens come from and how sequences are cut."""
 
@@ -196,11 +211,17 @@ class DataConfig(Schema):
     """Attention does not cross an EOS inside a packed sequence (segment ids from the EOS positions)."""
     eos_id: int | None = Field(None, ge=0)
     """EOS token id for document_masking; null takes it from the token shards' manifest (required for a .npy)."""
+    chat: ChatDataConfig | None = None
+    """Chat conversations (SFT) instead of token shards: loss on assistant tokens only; set train_tokens and mixture to null."""
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:
         if self.train_tokens is not None and self.mixture:
             raise ValueError("mixture: set either train_tokens or mixture, not both")
+        if self.chat is not None and (self.train_tokens is not None or self.mixture):
+            raise ValueError(
+                "chat: SFT trains on chat conversations only; set data.train_tokens: null and data.mixture: []"
+            )
         return self
 
     def sources(self) -> tuple[list[str], list[float]]:
@@ -302,6 +323,48 @@ class CheckpointConfig(Schema):
     """Also keep every checkpoint whose step is a multiple of this, permanently; null keeps none beyond `keep`."""
 
 
+class LoraConfig(Schema):
+    """Low-rank adapters: W x becomes W x + (alpha / rank) B A dropout(x), with W frozen."""
+
+    rank: int = Field(8, gt=0)
+    """Rank r of each adapter (A: [in, r], B: [r, out])."""
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (not on the frozen path); 0 disables."""
+    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o")
+    """Projections that get adapters: attention q, k, v, o and dense MLP gate, up, down (MoE experts get none)."""
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraConfig:
+        if not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(
+                f"targets: expected distinct names from q, k, v, o, gate, up, down (got {list(self.targets)})"
+            )
+        return self
+
+
+class FinetuneConfig(Schema):
+    """What trains: LoRA adapters on a frozen model, or only the last layers; the rest stays bitwise fixed."""
+
+    lora: LoraConfig | None = None
+    """Train low-rank adapters only; the base params are frozen and hold no optimizer state."""
+    train_last_layers: int | None = Field(None, gt=0)
+    """Train only the last this many transformer blocks (plus the final norm and untied head, see train_head); earlier layers and the embedding are frozen and get no backward pass."""
+    train_head: bool = True
+    """With train_last_layers: also train the final norm and the output head (a tied head is the embedding and stays frozen)."""
+
+    @model_validator(mode="after")
+    def _check_one(self) -> FinetuneConfig:
+        if self.lora is not None and self.train_last_layers is not None:
+            raise ValueError("lora: choose LoRA or train_last_layers, not both")
+        if self.lora is None and self.train_last_layers is None:
+            raise ValueError(
+                "lora: set lora or train_last_layers (or leave train.finetune null for full training)"
+            )
+        return self
+
+
 class TrainConfig(Schema):
     """The optimisation loop."""
 
@@ -328,7 +391,9 @@ class TrainConfig(Schema):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoint saving."""
     init_from: str | None = None
-    """Start from these params instead of a random init (the params directory written by `shipyard import hf`); optimizer state starts fresh."""
+    """Start from these params instead of a random init: a run directory (its newest checkpoint) or the output of `shipyard import hf`; optimizer state starts fresh."""
+    finetune: FinetuneConfig | None = None
+    """Parameter-efficient fine-tuning (LoRA, or only the last layers); null trains every parameter."""
     eval_every: int | None = Field(None, gt=0)
     """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
     eval_batches: int = Field(4, gt=0)
@@ -424,9 +489,20 @@ class Config(Schema):
 
     @model_validator(mode="after")
     def _check_eval(self) -> Config:
-        if self.train.eval_every is not None and self.data.validation_tokens is None:
+        chat_val = self.data.chat is not None and self.data.chat.validation is not None
+        if self.train.eval_every is not None and self.data.validation_tokens is None and not chat_val:
             raise ValueError(
-                "train.eval_every: set data.validation_tokens to evaluate on, or leave eval_every null"
+                "train.eval_every: set data.validation_tokens (or data.chat.validation) to evaluate on, "
+                "or leave eval_every null"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_finetune(self) -> Config:
+        ft, layers = self.train.finetune, self.model.num_layers
+        if ft is not None and ft.train_last_layers is not None and ft.train_last_layers > layers:
+            raise ValueError(
+                f"train.finetune.train_last_layers: {ft.train_last_layers} exceeds model.num_layers={layers}"
             )
         return self
 

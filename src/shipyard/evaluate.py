@@ -183,7 +183,7 @@ def run_eval(
     from shipyard.interop.hf import _tokenizer_of, load_run_params
 
     cfg, step, params = load_run_params(run_dir, step)
-    tok_dir = _tokenizer_of(cfg)
+    tok_dir = _tokenizer_of(cfg, run_dir)
     tok = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tasks and tok is None:
         raise DataError(f"eval: tasks need a tokenizer, and none sits next to the training data of {run_dir}")
@@ -192,8 +192,14 @@ def run_eval(
     for name, path in domains.items():
         report["domains"][name] = domain_metrics(params, cfg.model, path, tok, max_sequences)
     for kind, path in tasks:
+        name = f"{kind}:{Path(path).stem}"
+        if kind == "chat":  # greedy replies vs references, with the run's chat template
+            from shipyard.chat import chat_model, exact_match
+
+            report["tasks"][name] = exact_match(chat_model(cfg, params, tok_dir), path)
+            continue
         fn = {"mc": multiple_choice, "cloze": cloze}.get(kind)
         if fn is None:
-            raise DataError(f"eval --task {kind}:{path}: unknown kind {kind!r} (expected mc or cloze)")
-        report["tasks"][f"{kind}:{Path(path).stem}"] = fn(params, cfg.model, tok, Path(path))
+            raise DataError(f"eval --task {kind}:{path}: unknown kind {kind!r} (expected mc, cloze or chat)")
+        report["tasks"][name] = fn(params, cfg.model, tok, Path(path))
     return report

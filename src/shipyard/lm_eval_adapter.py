@@ -99,7 +99,7 @@ class ShipyardLM(TemplateLM):
             if value is not None and key not in ("device", "max_batch_size"):
                 log.warning("shipyard lm-eval model: ignoring unknown argument %s=%r", key, value)
         cfg, step, params = load_run_params(Path(checkpoint), step)
-        tok_dir = Path(tokenizer) if tokenizer is not None else _tokenizer_of(cfg)
+        tok_dir = Path(tokenizer) if tokenizer is not None else _tokenizer_of(cfg, Path(checkpoint))
         if tok_dir is None:
             raise DataError(
                 f"lm-eval: no tokenizer.json next to the training data of {checkpoint}; "

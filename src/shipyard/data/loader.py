@@ -176,3 +176,25 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def device_batch_dict(loader, step: int, shardings: dict) -> dict:
+    """`device_batch` for loaders whose rows are dicts of arrays (packed chats): one global array per key,
+    each built from only this process's rows."""
+    import jax
+
+    cache: dict[tuple[int, int], dict] = {}
+    rows0 = loader.rows(0, 0, 1)
+
+    def part(key, index):
+        lo, hi, _ = index[0].indices(loader.batch_size)
+        if (lo, hi) not in cache:
+            cache[(lo, hi)] = loader.rows(step, lo, hi)
+        return cache[(lo, hi)][key][(slice(None), *index[1:])]
+
+    return {
+        key: jax.make_array_from_callback(
+            (loader.batch_size, *rows0[key].shape[1:]), sh, lambda index, key=key: part(key, index)
+        )
+        for key, sh in shardings.items()
+    }

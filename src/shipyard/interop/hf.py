@@ -416,7 +416,12 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
 def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True):
     """(config, step, params) from a run's checkpoint: only the params (partial restore), sharded over
     the local devices (fsdp over all of them when it divides); with `to_host` copied to host numpy one
-    array at a time, else left as those sharded device arrays."""
+    array at a time, else left as those sharded device arrays.
+
+    A fine-tuning run's checkpoint holds only what trained (adapters, last layers): the frozen
+    rest is re-read from its train.init_from (or seeded init) and the two are merged, LoRA
+    folded into the weights, so callers always get plain model params.
+    """
     import jax
 
     from shipyard.config import MeshConfig, load_config
@@ -425,6 +430,7 @@ def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True
     from shipyard.model.transformer import param_specs
     from shipyard.parallel.mesh import make_mesh, rules_for
     from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore_params
+    from shipyard.train.finetune import Partition
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -443,12 +449,30 @@ def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True
     n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
     mesh_cfg = MeshConfig(data=1, fsdp=n)
     mesh = make_mesh(mesh_cfg, devices[:n])
-    specs = param_specs(cfg.model)
-    shardings = param_shardings(specs, mesh, rules_for(mesh_cfg))
-    params = restore_params(checkpoint_dir(run_dir), step, abstract_params(specs, shardings))
+    rules = rules_for(mesh_cfg)
+    partition = Partition(cfg.model, cfg.train.finetune)
+    specs = partition.trainable_specs()
+    params = restore_params(
+        checkpoint_dir(run_dir), step, abstract_params(specs, param_shardings(specs, mesh, rules))
+    )
+    if partition.kind != "full":
+        full = param_specs(cfg.model)
+        base = base_params(cfg, full, param_shardings(full, mesh, rules))
+        params = jax.jit(partition.merged_for_export)(params, partition.frozen(base))
     if not to_host:
         return cfg, step, params
     return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+
+
+def base_params(cfg, specs, shardings):
+    """The params a run starts from: train.init_from, else the seeded random init."""
+    import jax
+
+    from shipyard.model.params import init_params
+
+    if cfg.train.init_from is not None:
+        return load_init_params(cfg.train.init_from, specs, shardings)
+    return init_params(specs, jax.random.key(cfg.train.seed), shardings)
 
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = 5 << 30) -> dict:
@@ -459,7 +483,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes
 
     # Params stay sharded on the local devices; tensors reach the host one at a time.
     cfg, step, params = load_run_params(run_dir, step, to_host=False)
-    tokenizer_dir = _tokenizer_of(cfg)
+    tokenizer_dir = _tokenizer_of(cfg, run_dir)
     ids = {}
     if tokenizer_dir is not None:
         from shipyard.data.tokenizer import load_tokenizer, special_token_ids
@@ -482,8 +506,13 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes
     return {"step": step, "files": files, "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
 
 
-def _tokenizer_of(cfg) -> Path | None:
-    """The tokenizer copied into the run's (first) token-shard directory, if any."""
+def _tokenizer_of(cfg, run_dir: Path | None = None) -> Path | None:
+    """The run's tokenizer: <run>/tokenizer (chat fine-tuning runs copy theirs there), else the one
+    in the run's (first) token-shard directory, if any."""
+    if run_dir is not None and (Path(run_dir) / "tokenizer" / "tokenizer.json").is_file():
+        return Path(run_dir) / "tokenizer"
+    if cfg.data.chat is not None and cfg.data.chat.tokenizer is not None:
+        return Path(cfg.data.chat.tokenizer)
     paths, _ = cfg.data.sources()
     for p in paths:
         if (Path(p) / "tokenizer.json").is_file():
@@ -528,7 +557,9 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
 
 
 def load_init_params(path: str | Path, specs, shardings):
-    """Params saved by import_hf (or any params-only Orbax tree of this model), restored onto `shardings`."""
+    """Params to start from, restored onto `shardings`: a params-only Orbax tree (what `import hf`
+    writes to OUT/params; OUT itself works too) or a run directory (its newest checkpoint; a
+    fine-tuning run gives its merged params)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -538,16 +569,25 @@ def load_init_params(path: str | Path, specs, shardings):
     path = Path(path).absolute()
     if not path.is_dir():
         raise ConfigError(
-            f"train.init_from: {path} does not exist (expected the params directory of `shipyard import hf`)"
+            f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
         )
     target = abstract_params(specs, shardings)
+    shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        _, _, params = load_run_params(path, to_host=False)
+        got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if got != shapes:
+            raise ConfigError(
+                f"train.init_from: the run {path} holds a different model (e.g. embed {got.get('.embed')}, "
+                f"expected {shapes.get('.embed')}); use the base run's model config"
+            )
+        return jax.device_put(params, shardings)
+    if (path / "params").is_dir():  # the `import hf` output directory itself
+        path = path / "params"
     try:
         with ocp.StandardCheckpointer() as ckpt:
             return ckpt.restore(path, target)
     except (ValueError, KeyError) as e:
-        shapes = {
-            jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]
-        }
         raise ConfigError(
             f"train.init_from: {path} does not hold params of this model ({str(e).splitlines()[0][:160]}); "
             f"expected e.g. embed {shapes.get('.embed')}"

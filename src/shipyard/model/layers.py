@@ -126,8 +126,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     return out.reshape(b, s, h, d)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP; gate and up run as one [embed, 2, mlp] matmul (see transformer._block)."""
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, adapter=None) -> jax.Array:
+    """SwiGLU MLP; gate and up run as one [embed, 2, mlp] matmul (see transformer._block).
+
+    `adapter(target, inputs)` (LoRA) returns an addition to the gate, up or
+    down projection's output, or None.
+    """
     m = w_gate.shape[-1]
     gate_up = dense(x, jnp.stack([w_gate, w_up], axis=1).reshape(w_gate.shape[0], 2 * m))
-    return dense(jax.nn.silu(gate_up[..., :m]) * gate_up[..., m:], w_down)
+    gate, up = gate_up[..., :m], gate_up[..., m:]
+    if adapter is None:
+        return dense(jax.nn.silu(gate) * up, w_down)
+    gate, up = _plus(gate, adapter("gate", x)), _plus(up, adapter("up", x))
+    hidden = jax.nn.silu(gate) * up
+    return _plus(dense(hidden, w_down), adapter("down", hidden))
+
+
+def _plus(y: jax.Array, d: jax.Array | None) -> jax.Array:
+    return y if d is None else y + d.astype(y.dtype)

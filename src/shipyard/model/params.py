@@ -23,7 +23,8 @@ from shipyard.parallel.mesh import Rules, logical_to_pspec
 # weight: hidden matrices; bias: additive vectors (never decayed); router: MoE router (AdamW even under Muon); buffer:
 # state kept with the params but moved by a rule, not by gradients (MoE
 # selection biases: their gradient is zero and they are never decayed).
-Role = Literal["weight", "embedding", "head", "norm", "bias", "router", "buffer"]
+# adapter: LoRA A/B matrices (AdamW, decayed like weights).
+Role = Literal["weight", "embedding", "head", "norm", "bias", "router", "buffer", "adapter"]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
 from shipyard.model import layers
+from shipyard.model.lora import LoraParams, add, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
 
@@ -43,6 +44,8 @@ class BlockParams:
     """[layers, heads, head_dim] query bias (qkv_bias models only); bk, bv likewise over kv_heads."""
     bk: jax.Array | None = None
     bv: jax.Array | None = None
+    lora: LoraParams | None = None
+    """Low-rank adapters on this stack's projections (fine-tuning only; folded into the weights for export)."""
 
 
 @jax.tree_util.register_dataclass
@@ -159,9 +162,9 @@ def layer_windows(cfg: ModelConfig) -> list[jax.Array | None]:
 
 
 def attention_block(
-    cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids, window=None
+    cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids, window=None, key=None
 ) -> jax.Array:
-    """x plus the attention branch of one block."""
+    """x plus the attention branch of one block (`key`: LoRA dropout)."""
     K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
     # One matmul for Q, K and V (and one for gate and up in swiglu) instead of
@@ -175,20 +178,34 @@ def attention_block(
     if p.bq is not None:
         qkv = qkv + jnp.concatenate([p.bq.reshape(K, G, -1), p.bk[:, None], p.bv[:, None]], axis=1)
     q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if p.lora is not None:
+        q = add(q, delta(p.lora, "q", h, key))
+        k = add(k, delta(p.lora, "k", h, key))
+        v = add(v, delta(p.lora, "v", h, key))
     if p.q_norm is not None:
         q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
         k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
     attn = layers.grouped_attention(q, k, v, segment_ids, window)
-    return x + layers.dense(attn.reshape(*attn.shape[:2], -1), p.wo.reshape(-1, p.wo.shape[-1]))
+    attn = attn.reshape(*attn.shape[:2], -1)
+    out = layers.dense(attn, p.wo.reshape(-1, p.wo.shape[-1]))
+    if p.lora is not None:
+        out = add(out, delta(p.lora, "o", attn, key))
+    return x + out
 
 
-def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None):
+def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None, key=None):
     """x plus the MLP branch of one block: (x, MoEStats or None)."""
     h = layers.rms_norm(x, p.mlp_norm, cfg.norm_eps)
     if p.moe is None:
-        return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down), None
+        adapter = None
+        if p.lora is not None:
+
+            def adapter(target, inputs):
+                return delta(p.lora, target, inputs, key)
+
+        return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down, adapter), None
     y, stats = moe_mlp(h, p.moe, cfg.moe, mesh, rules)
     return x + y, stats
 
@@ -201,6 +218,8 @@ def forward(
     segment_ids: jax.Array | None = None,
     activation_sharding=None,
     rules=None,
+    dropout_key: jax.Array | None = None,
+    frozen_layers: int = 0,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq], and MoE routing stats.
 
@@ -211,6 +230,12 @@ def forward(
     shardings of inputs and outputs otherwise); with the mesh's logical-axis
     `rules` it also makes MoE layers expert-parallel over that mesh. The
     stats (None for a dense model) have a leading axis over MoE layers.
+
+    `positions` ([batch or 1, seq]) are the RoPE positions (packed
+    conversations restart at 0). `dropout_key` turns on LoRA dropout.
+    `frozen_layers` > 0 runs the first that many layers as their own scan
+    with the residual stream's gradient stopped after them: when only later
+    layers train, the backward pass never enters the frozen ones.
     """
 
     def constrain(x):
@@ -225,18 +250,37 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0))
 
     def body(x, layer):
-        p, window = layer
-        x = attention_block(cfg, x, p, cos, sin, segment_ids, window)
-        x, stats = mlp_block(cfg, x, p, mesh, rules)
+        p, window, key = layer
+        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key)
+        x, stats = mlp_block(cfg, x, p, mesh, rules, key)
         return constrain(x), stats
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    stats = None
+    stats, first = [], 0
     for (blocks, _), windows in zip(params.stacks(), layer_windows(cfg)):
         n = jax.tree.leaves(blocks)[0].shape[0]
-        x, stats_n = jax.lax.scan(body, x, (blocks, windows), unroll=min(cfg.scan_unroll, n))
-        stats = stats_n if stats_n is not None else stats
+        keys = None if dropout_key is None else jax.random.split(jax.random.fold_in(dropout_key, first), n)
+        cut = min(max(frozen_layers - first, 0), n)
+        for lo, hi in ((0, cut), (cut, n)) if 0 < cut < n else ((0, n),):
+            part = (
+                jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], (blocks, windows, keys))
+                if hi - lo < n
+                else (blocks, windows, keys)
+            )
+            x, stats_n = jax.lax.scan(body, x, part, unroll=min(cfg.scan_unroll, hi - lo))
+            if first + hi <= frozen_layers:
+                x = jax.lax.stop_gradient(x)
+            if stats_n is not None:
+                stats.append(stats_n)
+        first += n
+    stats = (
+        None
+        if not stats
+        else stats[0]
+        if len(stats) == 1
+        else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+    )
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
 
 

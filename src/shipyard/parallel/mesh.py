@@ -36,6 +36,7 @@ DEFAULT_RULES: Rules = {
     "seq": (),
     "head_dim": (),
     "layers": (),
+    "lora_rank": (),
 }
 
 

@@ -46,7 +46,7 @@ def lr_schedule(sched: ScheduleConfig, peak: float, total_steps: int):
 
 def decays(spec: ArraySpec, decay_embeddings: bool, decay_norms: bool) -> bool:
     """Whether weight decay applies: matrices and the head always; embeddings/norms by config."""
-    return spec.role in ("weight", "head", "router") or (
+    return spec.role in ("weight", "head", "router", "adapter") or (
         (spec.role == "embedding" and decay_embeddings) or (spec.role == "norm" and decay_norms)
     )
 

@@ -16,7 +16,8 @@ import optax
 
 from shipyard.config import Config
 from shipyard.model.moe import MoEStats
-from shipyard.model.transformer import TransformerParams, logits, logits_and_stats
+from shipyard.model.transformer import TransformerParams, logits_and_stats
+from shipyard.train.finetune import Partition
 from shipyard.train.loss import LossSums, loss_sums
 from shipyard.train.optim import lr_schedule
 
@@ -26,8 +27,9 @@ from shipyard.train.optim import lr_schedule
 class TrainState:
     step: jax.Array
     """int32 data step; advances on skipped steps too, so batch and schedule stay aligned."""
-    params: TransformerParams
-    """fp32 master parameters."""
+    params: Any
+    """fp32 master copy of the trainable parameters: the whole TransformerParams, or with
+    train.finetune only the adapters / trained layers (see train/finetune.py)."""
     opt_state: Any
     """optax state; left untouched by a skipped step."""
     loss_scale: jax.Array
@@ -111,8 +113,25 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding=None, rules=None):
-    """`gradients(params, batch, loss_scale) -> (grads, LossSums, MoEStats | None)`: full-batch gradient of the mean loss.
+def _model_inputs(batch: dict, eos_id: int | None) -> dict:
+    """Forward-pass keyword arguments for a batch: segment ids and positions when the batch
+    carries them (packed chats), else segment ids from EOS positions (document masking)."""
+    inputs = batch["tokens"][:, :-1]
+    if "segment_ids" in batch:
+        return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
+    return {"segment_ids": segment_ids(inputs, eos_id)}
+
+
+def make_gradient_fn(
+    cfg: Config,
+    eos_id: int | None = None,
+    activation_sharding=None,
+    rules=None,
+    partition: Partition | None = None,
+):
+    """`gradients(params, frozen, batch, loss_scale, key) -> (grads, LossSums, MoEStats | None)`: full-batch
+    gradient of the mean loss with respect to the trainable `params` (frozen: the rest, see
+    train/finetune.py; key: LoRA dropout, or None).
 
     With `train.microbatches > 1` the batch is processed in sequential slices
     whose gradients add up to the same full-batch gradient (the MoE balance
@@ -125,23 +144,25 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding
     fp16 = compute == jnp.float16
     n_micro = train.microbatches
     moe = model.moe
+    partition = partition or Partition(model, None)
 
-    def gradients(params, batch, loss_scale):
-        tokens, mask = batch["tokens"], batch["loss_mask"]
-        total_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    def gradients(params, frozen, batch, loss_scale, key=None):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
-        def objective(params, tok, msk):
-            p = jax.tree.map(lambda x: x.astype(compute), params)
-            inputs = tok[:, :-1]
+        def objective(params, mb, key):
+            p = partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
+            tok = mb["tokens"]
             out, stats = logits_and_stats(
                 p,
-                inputs,
+                tok[:, :-1],
                 model,
-                segment_ids=segment_ids(inputs, eos_id),
                 activation_sharding=activation_sharding,
                 rules=rules,
+                dropout_key=key,
+                frozen_layers=partition.frozen_layers,
+                **_model_inputs(mb, eos_id),
             )
-            sums = loss_sums(out, tok[:, 1:], msk)
+            sums = loss_sums(out, tok[:, 1:], mb["loss_mask"])
             # Normalise by the whole batch's token count so microbatch
             # gradients add up to exactly the full-batch gradient.
             loss = (sums.ce + train.z_loss * sums.z) / total_tokens
@@ -152,15 +173,17 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding
                 )
             return loss * loss_scale if fp16 else loss, (sums, stats)
 
-        def grad_fn(params, tok, msk):
-            grads, (sums, stats) = jax.grad(objective, has_aux=True)(params, tok, msk)
+        def grad_fn(params, mb, key):
+            grads, (sums, stats) = jax.grad(objective, has_aux=True)(params, mb, key)
             return grads, sums, stats
 
         if n_micro == 1:
-            return grad_fn(params, tokens, mask)
+            return grad_fn(params, batch, key)
 
-        def accumulate(carry, mb):
-            return jax.tree.map(jnp.add, carry, grad_fn(params, *mb)), None
+        def accumulate(carry, xs):
+            i, mb = xs
+            mkey = None if key is None else jax.random.fold_in(key, i)
+            return jax.tree.map(jnp.add, carry, grad_fn(params, mb, mkey)), None
 
         zero_stats = None
         if moe is not None:
@@ -172,8 +195,8 @@ def make_gradient_fn(cfg: Config, eos_id: int | None = None, activation_sharding
             LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
             zero_stats,
         )
-        mbs = (_split_microbatches(tokens, n_micro), _split_microbatches(mask, n_micro))
-        return jax.lax.scan(accumulate, zeros, mbs)[0]
+        mbs = {k: _split_microbatches(v, n_micro) for k, v in batch.items()}
+        return jax.lax.scan(accumulate, zeros, (jnp.arange(n_micro), mbs))[0]
 
     return gradients
 
@@ -204,21 +227,35 @@ def make_train_step(
     eos_id: int | None = None,
     activation_sharding=None,
     rules=None,
+    partition: Partition | None = None,
 ):
-    """Build the (unjitted) step function for this config.
+    """Build the (unjitted) step function `step(state, batch, frozen=None)` for this config.
 
     With `eos_id`, attention stops at documents' ends; `activation_sharding`
     pins the residual stream's layout at block boundaries and, with the mesh
-    `rules`, makes MoE layers expert-parallel (see transformer.forward).
+    `rules`, makes MoE layers expert-parallel (see transformer.forward). With a
+    fine-tuning `partition`, state.params is the trainable tree and `frozen`
+    the rest, which the step reads and never returns. A batch may carry
+    segment_ids and positions (packed chats) next to tokens and loss_mask.
     """
     train = cfg.train
     fp16 = train.precision.compute_dtype == "float16"
     schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
-    gradients = make_gradient_fn(cfg, eos_id, activation_sharding, rules)
-    bias_rate = cfg.model.moe.bias_update_rate if cfg.model.moe is not None else 0.0
+    partition = partition or Partition(cfg.model, None)
+    gradients = make_gradient_fn(cfg, eos_id, activation_sharding, rules, partition)
+    # Selection-bias balancing moves a param outside the optimizer: only when every param trains.
+    bias_rate = (
+        cfg.model.moe.bias_update_rate if cfg.model.moe is not None and partition.kind == "full" else 0.0
+    )
+    lora = train.finetune.lora if train.finetune is not None else None
+    dropout = lora is not None and lora.dropout > 0
 
-    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, sums, stats = gradients(state.params, batch, state.loss_scale)
+    def step(
+        state: TrainState, batch: dict[str, jax.Array], frozen=None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        # Dropout masks are a pure function of (seed, step): a resumed run draws the same ones.
+        key = jax.random.fold_in(jax.random.key(train.seed + 1), state.step) if dropout else None
+        grads, sums, stats = gradients(state.params, frozen, batch, state.loss_scale, key)
         total_tokens = jnp.maximum(sums.tokens, 1.0)
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
@@ -283,22 +320,31 @@ def make_train_step(
     return step
 
 
-def make_eval_step(cfg: Config, eos_id: int | None = None, activation_sharding=None, rules=None):
-    """`eval_step(params, tokens) -> (sum of token losses, token count)`: forward only, compute dtype."""
+def make_eval_step(
+    cfg: Config,
+    eos_id: int | None = None,
+    activation_sharding=None,
+    rules=None,
+    partition: Partition | None = None,
+):
+    """`eval_step(params, frozen, batch) -> (sum of token losses, token count)`: forward only, compute
+    dtype; the batch's loss_mask (and packed-chat segments) apply when present."""
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
+    partition = partition or Partition(cfg.model, None)
 
-    def eval_step(params, tokens):
-        p = jax.tree.map(lambda x: x.astype(compute), params)
-        inputs = tokens[:, :-1]
-        out = logits(
+    def eval_step(params, frozen, batch):
+        p = partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
+        tokens = batch["tokens"]
+        out, _ = logits_and_stats(
             p,
-            inputs,
+            tokens[:, :-1],
             cfg.model,
-            segment_ids=segment_ids(inputs, eos_id),
             activation_sharding=activation_sharding,
             rules=rules,
+            **_model_inputs(batch, eos_id),
         )
-        sums = loss_sums(out, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
+        mask = batch.get("loss_mask", jnp.ones(tokens[:, 1:].shape))
+        sums = loss_sums(out, tokens[:, 1:], mask)
         return sums.ce, sums.tokens
 
     return eval_step

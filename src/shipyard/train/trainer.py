@@ -6,6 +6,7 @@ import math
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from shipyard.config import Config, to_yaml
-from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
+from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch, device_batch_dict
 from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
@@ -22,6 +23,7 @@ from shipyard.model.transformer import num_active_params, num_params, param_spec
 from shipyard.parallel import distributed
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
+from shipyard.train.finetune import Partition
 from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from shipyard.train.optim import build_optimizer
 from shipyard.train.rundir import (
@@ -32,6 +34,7 @@ from shipyard.train.rundir import (
     write_atomic,
     write_run_header,
 )
+from shipyard.train.sft_data import copy_tokenizer, load_chat_data
 from shipyard.train.step import init_state, make_eval_step, make_train_step
 
 
@@ -128,12 +131,6 @@ def _train(
     resume: bool,
     profile_steps: tuple[int, int] | None = None,
 ) -> Path:
-    paths, weights = cfg.data.sources()
-    if not paths:
-        raise ConfigError(
-            "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
-            "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), or data.mixture"
-        )
     distributed.initialize(cfg.distributed)
     main = distributed.is_main_process()
 
@@ -143,18 +140,32 @@ def _train(
 
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
     batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
-    loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
     eos_id = None
-    if cfg.data.document_masking:
-        eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else loader.eos_id
-        if eos_id is None:
+    chat = None
+    if cfg.data.chat is not None:
+        chat = load_chat_data(cfg)
+        loader, val = chat["loader"], chat["validation"]
+        paths = []
+        say(chat["summary"])
+    else:
+        paths, weights = cfg.data.sources()
+        if not paths:
             raise ConfigError(
-                "data.document_masking: no EOS id known for these sources (a .npy, or shard sets with "
-                "different EOS ids); set data.eos_id"
+                "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
+                "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), data.mixture, "
+                "or data.chat for fine-tuning on conversations"
             )
-    val = None
-    if cfg.train.eval_every is not None:
-        val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
+        loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
+        if cfg.data.document_masking:
+            eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else loader.eos_id
+            if eos_id is None:
+                raise ConfigError(
+                    "data.document_masking: no EOS id known for these sources (a .npy, or shard sets with "
+                    "different EOS ids); set data.eos_id"
+                )
+        val = None
+        if cfg.train.eval_every is not None:
+            val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
     mesh = make_mesh(cfg.mesh)
     rules = rules_for(cfg.mesh)
     batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, rules)
@@ -173,15 +184,30 @@ def _train(
             say(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
         if main:
             prepare_run_dir(run_dir, overwrite or resume)
-        names = [f"mixture[{i}]" for i in range(len(paths))] if cfg.data.mixture else ["train_tokens"]
-        inputs = {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, paths)}
+        if chat is not None:
+            inputs = chat["inputs"]
+        else:
+            names = [f"mixture[{i}]" for i in range(len(paths))] if cfg.data.mixture else ["train_tokens"]
+            inputs = {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, paths)}
         if main:
             write_run_header(run_dir, cfg, inputs)
-    specs = param_specs(cfg.model)
+            if chat is not None:  # the run carries its tokenizer: export, generate and chat find it there
+                copy_tokenizer(chat["tokenizer"], run_dir / "tokenizer")
+    partition = Partition(cfg.model, cfg.train.finetune)
+    full_specs = param_specs(cfg.model)
+    specs = partition.trainable_specs()
     distributed.barrier("run directory ready")
     shardings = param_shardings(specs, mesh, rules)
     optimizer = build_optimizer(cfg.train, specs)
-    state_shardings = None
+    frozen = None
+    if partition.kind != "full" or not resuming:
+        # The frozen part is never checkpointed: it is re-read from init_from (or the seeded init).
+        from shipyard.interop.hf import base_params
+
+        if cfg.train.init_from is not None:
+            say(f"shipyard: starting from the params in {cfg.train.init_from}")
+        base = base_params(cfg, full_specs, param_shardings(full_specs, mesh, rules))
+        frozen = partition.frozen(base)
     start = 0
     if resuming:
         abstract = _abstract_state(cfg, specs, shardings, optimizer)
@@ -193,15 +219,11 @@ def _train(
             write_atomic(run_dir / "config.yaml", to_yaml(cfg))
         say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
     else:
-        if cfg.train.init_from is not None:
-            from shipyard.interop.hf import load_init_params
-
-            params = load_init_params(cfg.train.init_from, specs, shardings)
-            say(f"shipyard: starting from the params in {cfg.train.init_from}")
-        else:
-            params = init_params(specs, jax.random.key(cfg.train.seed), shardings)
+        params = partition.initial(base, jax.random.key(cfg.train.seed), shardings)
+        del base
         state = init_state(cfg, params, optimizer)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
     batch_sharding = NamedSharding(mesh, batch_spec)
     mask_sharding = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
 
@@ -210,15 +232,20 @@ def _train(
         return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
 
     micro = activations(batch_size // cfg.train.microbatches)
+    batch_keys = (
+        ("tokens", "loss_mask", "segment_ids", "positions") if chat is not None else ("tokens", "loss_mask")
+    )
+    batch_shardings = {k: batch_sharding if k == "tokens" else mask_sharding for k in batch_keys}
     step_fn = jax.jit(
-        make_train_step(cfg, optimizer, eos_id, micro, rules),
-        in_shardings=(state_shardings, {"tokens": batch_sharding, "loss_mask": batch_sharding}),
+        make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
+        in_shardings=(state_shardings, batch_shardings, frozen_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
+    eval_keys = batch_keys if chat is not None else ("tokens",)
     eval_fn = jax.jit(
-        make_eval_step(cfg, eos_id, activations(batch_size), rules),
-        in_shardings=(state_shardings.params, batch_sharding),
+        make_eval_step(cfg, eos_id, activations(batch_size), rules, partition),
+        in_shardings=(state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys}),
     )
 
     devices = list(mesh.devices.flat)
@@ -232,14 +259,25 @@ def _train(
         f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
         f"mesh {dict(mesh.shape)}, run dir {run_dir}"
     )
+    if partition.kind != "full":
+        n_train = sum(x.size for x in jax.tree.leaves(state.params))
+        say(
+            f"shipyard: fine-tuning ({partition.kind.replace('_', ' ')}): {n_train:,} trainable params "
+            f"({n_train / num_params(cfg.model):.2%} of the model); the rest is frozen"
+        )
     loss_mask = _global_array(np.ones((batch_size, seq_len), np.float32), mask_sharding)
 
     def evaluate(params) -> tuple:
         """Sums over the same held-out sequences every time (the first eval_batches * B)."""
         out = []
         for b in range(cfg.train.eval_batches):
-            rows = [val[(b * batch_size + r) % len(val)] for r in range(batch_size)]
-            out.append(eval_fn(params, _global_array(np.stack(rows), batch_sharding)))
+            idx = [(b * batch_size + r) % len(val) for r in range(batch_size)]
+            if chat is not None:
+                rows = {k: np.stack([val.row(i)[k] for i in idx]) for k in eval_keys}
+            else:
+                rows = {"tokens": np.stack([val[i] for i in idx])}
+            batch = {k: _global_array(v, batch_shardings[k]) for k, v in rows.items()}
+            out.append(eval_fn(params, frozen, batch))
         return out
 
     log = cfg.train.logging
@@ -291,15 +329,22 @@ def _train(
                 f"input tokens, or rerun with --debug-nans to find the first NaN"
             )
 
-    prefetch = Prefetcher(lambda s: device_batch(loader, s, batch_sharding), start, cfg.train.steps)
+    if chat is not None:
+        make_batch = partial(device_batch_dict, loader, shardings=batch_shardings)
+    else:
+
+        def make_batch(s):
+            return {"tokens": device_batch(loader, s, batch_sharding), "loss_mask": loss_mask}
+
+    prefetch = Prefetcher(make_batch, start, cfg.train.steps)
     stopped_at = None
     try:
         with _StopSignal() as stop:
             for step in range(start, cfg.train.steps):
-                batch = {"tokens": prefetch.get(step), "loss_mask": loss_mask}
+                batch = prefetch.get(step)
                 if profile_steps is not None and step == profile_steps[0] and main:
                     jax.profiler.start_trace(str(run_dir / "profile"))
-                state, metrics = step_fn(state, batch)
+                state, metrics = step_fn(state, batch, frozen)
                 if profile_steps is not None and step == profile_steps[1] and main:
                     jax.block_until_ready(metrics)
                     jax.profiler.stop_trace()

@@ -1,0 +1,206 @@
+"""Talking to a fine-tuned model: replies with the chat template, streamed; `shipyard chat`; exact match.
+
+A reply is the model's continuation of the rendered conversation plus the
+assistant header, up to the template's end-of-turn token. Streaming decodes
+the reply so far after every token and prints only the new text, holding
+back an incomplete UTF-8 sequence (a byte-level token can end mid-character).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shipyard.data.chat import ChatFormat, read_conversations
+from shipyard.errors import DataError
+
+
+@dataclass
+class ChatModel:
+    """A run's params behind a compiled Generator, with the run's tokenizer and chat template."""
+
+    cfg: object
+    generator: object
+    fmt: ChatFormat
+
+    def replies(
+        self,
+        conversations: Sequence[list[dict]],
+        max_new_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Reply token ids per conversation (the end-of-turn token excluded)."""
+        prompts = [self.fit(self.fmt.prompt(c), max_new_tokens) for c in conversations]
+        outs = self.generator(
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_ids=(self.fmt.end_id,),
+            on_token=on_token,
+            pad_multiple=16,
+        )
+        return [[t for t in out if t != self.fmt.end_id] for out in outs]
+
+    def fit(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Keep the newest tokens when prompt + reply would exceed the model's context."""
+        room = self.cfg.model.max_seq_len - max_new_tokens
+        if room < 1:
+            raise DataError(
+                f"chat: --max-new-tokens {max_new_tokens} leaves no room for a prompt in "
+                f"model.max_seq_len={self.cfg.model.max_seq_len}"
+            )
+        return prompt[-room:]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.fmt.tok.decode(ids, skip_special_tokens=False)
+
+
+def chat_model(cfg, params, tok_dir: Path, template: str | None = None) -> ChatModel:
+    """A ChatModel over plain params; the template defaults to the one the run trained with."""
+    import jax
+    import jax.numpy as jnp
+
+    from shipyard.generate import Generator
+    from shipyard.train.sft_data import chat_format_for
+
+    if template is None:
+        template = cfg.data.chat.template if cfg.data.chat is not None else "auto"
+    fmt = chat_format_for(tok_dir, template)
+    return ChatModel(cfg, Generator(jax.tree.map(jnp.asarray, params), cfg.model), fmt)
+
+
+def load_chat_model(run_dir: str | Path, step: int | None = None, template: str | None = None) -> ChatModel:
+    """The run's newest (or `step`) checkpoint as a ChatModel (fine-tuning runs merged with their base)."""
+    from shipyard.interop.hf import _tokenizer_of, load_run_params
+
+    cfg, _, params = load_run_params(Path(run_dir), step)
+    tok_dir = _tokenizer_of(cfg, Path(run_dir))
+    if tok_dir is None:
+        raise DataError(f"chat: no tokenizer found for {run_dir} (expected <run>/tokenizer or token shards)")
+    return chat_model(cfg, params, tok_dir, template)
+
+
+class TextStream:
+    """Turns a growing list of token ids into newly printable text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], write: Callable[[str], None]):
+        self.decode, self.write = decode, write
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def on_token(self, end_id: int) -> Callable[[int, int], None]:
+        """A Generator on_token callback for one row that streams everything but the end token."""
+
+        def push(_row: int, token: int) -> None:
+            if token != end_id:
+                self.push(token)
+
+        return push
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for its other bytes
+            return
+        if len(text) > self.shown:
+            self.write(text[self.shown :])
+            self.shown = len(text)
+
+
+def exact_match(model: ChatModel, path: str | Path, batch: int = 32, max_new_tokens: int = 64) -> dict:
+    """Greedy replies to every conversation's last assistant turn (given what precedes it), compared
+    with the reference after stripping surrounding whitespace."""
+    items = []
+    for messages in read_conversations(path):
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is not None:
+            items.append((messages[:last], messages[last]["content"]))
+    if not items:
+        raise DataError(f"chat eval: {path} has no conversation with an assistant reply")
+    hits, examples = 0, []
+    for lo in range(0, len(items), batch):
+        chunk = items[lo : lo + batch]
+        outs = model.replies([c for c, _ in chunk], max_new_tokens)
+        for (context, ref), out in zip(chunk, outs):
+            got = model.decode(out)
+            ok = got.strip() == ref.strip()
+            hits += ok
+            if len(examples) < 5:
+                examples.append(
+                    {"prompt": context[-1]["content"], "reference": ref, "reply": got, "match": ok}
+                )
+    return {"conversations": len(items), "exact_match": hits / len(items), "examples": examples}
+
+
+HELP = "commands: /reset (new conversation), /system TEXT (set the system message), /quit (or Ctrl-D)"
+
+
+def run_chat(
+    model: ChatModel,
+    *,
+    system: str | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    top_k: int | None = 50,
+    top_p: float | None = 0.95,
+    seed: int = 0,
+    read: Callable[[str], str] = input,
+    write: Callable[[str], None] | None = None,
+) -> int:
+    """The interactive loop: read a user turn, stream the reply, keep the history."""
+
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    write = write or out
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    write(f"shipyard chat ({model.fmt.template.name} template). {HELP}\n")
+    turn = 0
+    while True:
+        try:
+            line = read("you> ")
+        except EOFError:
+            write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/reset":
+            history = [m for m in history if m["role"] == "system"]
+            write("(new conversation)\n")
+            continue
+        if text.startswith("/system"):
+            history = [{"role": "system", "content": text[len("/system") :].strip()}]
+            write("(system message set; new conversation)\n")
+            continue
+        if text.startswith("/"):
+            write(f"unknown command {text.split()[0]}; {HELP}\n")
+            continue
+        history.append({"role": "user", "content": line})
+        write("assistant> ")
+        stream = TextStream(model.decode, write)
+        reply = model.replies(
+            [history],
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed + turn,
+            on_token=stream.on_token(model.fmt.end_id),
+        )[0]
+        write("\n")
+        history.append({"role": "assistant", "content": model.decode(reply)})
+        turn += 1

@@ -1,0 +1,312 @@
+"""Chat data for supervised fine-tuning: templates, rendering with an assistant-only loss mask, packing.
+
+A conversation is a list of messages {role: system|user|assistant, content}.
+A template turns it into pieces: the template's special tokens (looked up by
+id, never parsed out of text) and text. Message contents are encoded on their
+own with special-token parsing off (shipyard's tokenizers always are), so a
+user who types "<|assistant|>" gets those characters, not a role switch.
+
+The loss covers what the model must learn to produce: every assistant
+message's content and the end-of-turn token that closes it (so the model
+learns to stop); system and user turns, role headers and padding are context.
+
+Packing puts several conversations into one training sequence. Each keeps
+its own segment id (attention never crosses into another conversation) and
+its own positions starting at 0, so a packed conversation trains exactly as
+it would alone (tested against the unpacked logits).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shipyard.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Template:
+    """How one chat format lays out a conversation; pieces are ("special", token) or ("text", str)."""
+
+    name: str
+    bos: str | None
+    """Special token that opens a conversation (None: nothing)."""
+    header: tuple[tuple[str, str], ...]
+    """Pieces before a message's content, with "{role}" in text pieces replaced by the role."""
+    end: str
+    """Special token that closes every message (the stop token when generating)."""
+    after_end: str = ""
+    """Text after the end token (not trained: it belongs to the next turn's context)."""
+    role_tokens: bool = False
+    """The header is one special token per role, <|role|> (shipyard's format)."""
+
+    def header_pieces(self, role: str) -> list[tuple[str, str]]:
+        if self.role_tokens:
+            return [("special", f"<|{role}|>")]
+        return [(kind, text.replace("{role}", role)) for kind, text in self.header]
+
+    def specials(self) -> set[str]:
+        names = {self.end} | ({self.bos} if self.bos else set())
+        names |= {t for r in ROLES for kind, t in self.header_pieces(r) if kind == "special"}
+        return names
+
+
+TEMPLATES = {
+    "shipyard": Template("shipyard", "<|bos|>", (), "<|end|>", role_tokens=True),
+    "chatml": Template(
+        "chatml", None, (("special", "<|im_start|>"), ("text", "{role}\n")), "<|im_end|>", "\n"
+    ),
+    "llama3": Template(
+        "llama3",
+        "<|begin_of_text|>",
+        (
+            ("special", "<|start_header_id|>"),
+            ("text", "{role}"),
+            ("special", "<|end_header_id|>"),
+            ("text", "\n\n"),
+        ),
+        "<|eot_id|>",
+    ),
+}
+
+
+def pick_template(name: str, tok) -> Template:
+    """The named template, or for "auto" the first whose special tokens the tokenizer has."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if name != "auto":
+        missing = sorted(t for t in TEMPLATES[name].specials() if t not in vocab)
+        if missing:
+            raise DataError(
+                f"data.chat.template: {name} needs the special tokens {missing}, which the tokenizer lacks"
+            )
+        return TEMPLATES[name]
+    for template in TEMPLATES.values():
+        if template.specials() <= set(vocab):
+            return template
+    raise DataError(
+        "data.chat.template: auto found no chat template whose special tokens the tokenizer has "
+        f"(tried {', '.join(TEMPLATES)}); train a tokenizer with shipyard's defaults (<|user|>, <|assistant|>, "
+        "<|end|>, ...) or use one with chatml or Llama-3 tokens"
+    )
+
+
+class ChatFormat:
+    """A tokenizer plus a template: renders conversations to token ids and loss masks."""
+
+    def __init__(self, tok, template: Template):
+        self.tok, self.template = tok, template
+        self._ids = {t: tok.token_to_id(t) for t in template.specials()}
+        self.end_id = self._ids[template.end]
+
+    def _pieces(self, pieces, trained: bool, ids: list[int], mask: list[int]) -> None:
+        for kind, text in pieces:
+            new = (
+                [self._ids[text]]
+                if kind == "special"
+                else self.tok.encode(text, add_special_tokens=False).ids
+            )
+            ids.extend(new)
+            mask.extend([int(trained)] * len(new))
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """(token ids, 1 where the token is trained) of a conversation; with `generation_prompt` it ends
+        with the assistant header, ready for the model to write the next reply."""
+        t = self.template
+        ids: list[int] = []
+        mask: list[int] = []
+        if t.bos is not None:
+            self._pieces([("special", t.bos)], False, ids, mask)
+        for m in messages:
+            assistant = m["role"] == "assistant"
+            self._pieces(t.header_pieces(m["role"]), False, ids, mask)
+            self._pieces([("text", m["content"])] if m["content"] else [], assistant, ids, mask)
+            self._pieces([("special", t.end)], assistant, ids, mask)
+            if t.after_end:
+                self._pieces([("text", t.after_end)], False, ids, mask)
+        if generation_prompt:
+            self._pieces(t.header_pieces("assistant"), False, ids, mask)
+        return ids, mask
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        return self.render(messages, generation_prompt=True)[0]
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """The messages of one conversation, validated: a non-empty list of {role, content} with known roles."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {i} must be an object with exactly 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise DataError(
+                f"{where}: message {i} has role {m['role']!r}; expected one of {', '.join(ROLES)}"
+            )
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: message {i} content must be a string")
+    return messages
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """Every conversation of a JSONL file ({"messages": [...]} per line; blank lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f'data.chat: {path} does not exist (expected a JSONL file of {{"messages": [...]}})')
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"data.chat: {path} line {n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict) or "messages" not in record:
+                raise DataError(f"{where}: expected an object with a 'messages' list")
+            out.append(check_messages(record["messages"], where))
+    if not out:
+        raise DataError(f"data.chat: {path} holds no conversations")
+    return out
+
+
+@dataclass(frozen=True)
+class PackedChats:
+    """Training rows: tokens [N, L+1]; per input position [N, L]: loss mask, segment id, position."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    conversations: int
+    """Conversations placed in the rows."""
+    dropped: int
+    """Conversations longer than L+1 tokens (or with nothing to train on), left out."""
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def fill(self) -> float:
+        """Fraction of the rows' input positions holding real tokens."""
+        return float(np.mean(self.segment_ids >= 0))
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        return {
+            "tokens": self.tokens[i],
+            "loss_mask": self.loss_mask[i],
+            "segment_ids": self.segment_ids[i],
+            "positions": self.positions[i],
+        }
+
+
+def pack(
+    rendered: list[tuple[list[int], list[int]]],
+    seq_len: int,
+    pad_id: int,
+    seed: int | None,
+    pack: bool = True,
+) -> PackedChats:
+    """Place rendered conversations into rows of seq_len + 1 tokens.
+
+    Order: a seeded permutation (None keeps file order); each conversation goes
+    into the current row if it fits, else starts a new one (one per row when
+    `pack` is false). Padding is pad_id with segment -1 and no loss.
+    """
+    width = seq_len + 1
+    keep = [i for i, (ids, mask) in enumerate(rendered) if len(ids) <= width and any(mask[1:])]
+    dropped = len(rendered) - len(keep)
+    if not keep:
+        raise DataError(
+            f"data.chat: none of the {len(rendered)} conversations fits in data.seq_len + 1 = {width} tokens "
+            "with an assistant reply to train on; raise data.seq_len"
+        )
+    order = keep if seed is None else [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
+    rows: list[list[int]] = []
+    for i in order:
+        if not pack or not rows or sum(len(rendered[j][0]) for j in rows[-1]) + len(rendered[i][0]) > width:
+            rows.append([])
+        rows[-1].append(i)
+    n = len(rows)
+    tokens = np.full((n, width), pad_id, np.int32)
+    trained = np.zeros((n, width), np.int32)
+    seg = np.full((n, width), -1, np.int32)
+    pos = np.zeros((n, width), np.int32)
+    for r, members in enumerate(rows):
+        at = 0
+        for s, i in enumerate(members):
+            ids, mask = rendered[i]
+            tokens[r, at : at + len(ids)] = ids
+            trained[r, at : at + len(ids)] = mask
+            seg[r, at : at + len(ids)] = s
+            pos[r, at : at + len(ids)] = np.arange(len(ids))
+            at += len(ids)
+    # target t+1 is trained when it is an assistant token of the same conversation as input t
+    loss_mask = (trained[:, 1:] == 1) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] >= 0)
+    return PackedChats(
+        tokens=tokens,
+        loss_mask=loss_mask.astype(np.float32),
+        segment_ids=seg[:, :-1],
+        positions=pos[:, :-1],
+        conversations=len(keep),
+        dropped=dropped,
+    )
+
+
+def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Path:
+    """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
+    (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
+    if chat_tokenizer is not None:
+        return Path(chat_tokenizer)
+    if init_from is None:
+        raise DataError(
+            "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
+        )
+    base = Path(init_from)
+    for candidate in (base, base.parent, base / "tokenizer"):
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    if (base / "config.yaml").is_file():
+        from shipyard.config import load_config
+        from shipyard.interop.hf import _tokenizer_of
+
+        found = _tokenizer_of(load_config(str(base / "config.yaml")), base)
+        if found is not None:
+            return found
+    raise DataError(
+        f"data.chat.tokenizer: not set and no tokenizer.json found with train.init_from={init_from}; "
+        "set data.chat.tokenizer to the base model's tokenizer.json"
+    )
+
+
+def pad_id_of(tok_path: Path, tok) -> int:
+    from shipyard.data.tokenizer import special_token_ids
+
+    ids = special_token_ids(tok_path, tok)
+    return ids["pad_token"] if ids["pad_token"] is not None else ids["eos_token"]
+
+
+class ChatBatchLoader:
+    """Rows of the global SFT batch for any step: packed rows, shuffled per epoch by Grain (a pure
+    function of seed and step, like the pretraining loader, so resume needs only the step)."""
+
+    def __init__(self, packed: PackedChats, batch_size: int, seed: int):
+        import grain
+
+        self.packed, self.batch_size = packed, batch_size
+        self.order = grain.MapDataset.source(list(range(len(packed)))).shuffle(seed=seed).repeat()
+
+    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+        hi = self.batch_size if hi is None else hi
+        idx = [self.order[step * self.batch_size + r] for r in range(lo, hi)]
+        p = self.packed
+        return {
+            "tokens": p.tokens[idx],
+            "loss_mask": p.loss_mask[idx],
+            "segment_ids": p.segment_ids[idx],
+            "positions": p.positions[idx],
+        }

@@ -1,0 +1,148 @@
+"""What trains and what stays frozen: full training, LoRA adapters, or only the last layers.
+
+The train state holds only the *trainable* tree (so frozen params have no
+optimizer state, no gradient, and are never written by a step); the frozen
+tree is a separate, read-only argument of the step. `merge` builds the model's
+params from the two for the forward pass. Checkpoints hold the train state,
+so a fine-tuning checkpoint stores the adapters (or trained layers) alone;
+the frozen part is re-read from `train.init_from` (or the seeded init), which
+is what export, generate and resume do via `Partition.merge`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shipyard.config import FinetuneConfig, ModelConfig
+from shipyard.model.lora import as_lora_params, lora_specs, merge_into_base
+from shipyard.model.params import init_params, map_specs
+from shipyard.model.transformer import TransformerParams, param_specs
+
+
+def _stack_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """stack name -> (first layer index, number of layers)."""
+    return {"blocks": (0, cfg.num_dense_layers), "moe_blocks": (cfg.num_dense_layers, cfg.num_moe_layers)}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The split of a model's params into a trainable and a frozen tree (see module doc)."""
+
+    model: ModelConfig
+    finetune: FinetuneConfig | None
+
+    @property
+    def kind(self) -> str:
+        if self.finetune is None:
+            return "full"
+        return "lora" if self.finetune.lora is not None else "last_layers"
+
+    @property
+    def frozen_layers(self) -> int:
+        """Leading layers whose backward pass is skipped (only when just later layers train)."""
+        if self.kind != "last_layers":
+            return 0
+        return self.model.num_layers - self.finetune.train_last_layers
+
+    def _cut(self, name: str) -> int:
+        """Index within stack `name` where its trainable layers start."""
+        first, n = _stack_sizes(self.model)[name]
+        return min(max(self.frozen_layers - first, 0), n)
+
+    def trainable_specs(self):
+        """Spec tree of the trainable params (what the optimizer and the checkpoint see)."""
+        full = param_specs(self.model)
+        if self.kind == "full":
+            return full
+        if self.kind == "lora":
+            lora = self.finetune.lora
+            return {
+                name: lora_specs(lora, self.model, n, name == "moe_blocks")
+                for name, (_, n) in _stack_sizes(self.model).items()
+            }
+        out: dict[str, Any] = {}
+        for name, (_, n) in _stack_sizes(self.model).items():
+            cut, stack = self._cut(name), getattr(full, name)
+            out[name] = (
+                None
+                if stack is None or cut == n
+                else map_specs(lambda s, cut=cut: replace(s, shape=(s.shape[0] - cut, *s.shape[1:])), stack)
+            )
+        head = self.finetune.train_head
+        out["final_norm"] = full.final_norm if head else None
+        out["lm_head"] = full.lm_head if head else None
+        return out
+
+    def initial(self, params: TransformerParams, key: jax.Array, shardings=None):
+        """The trainable tree to start from: the model's own params (or its last layers), or fresh
+        adapters (B = 0, so the adapted model starts equal to `params`)."""
+        if self.kind == "full":
+            return params
+        if self.kind == "lora":
+            return init_params(self.trainable_specs(), jax.random.fold_in(key, 1), shardings)
+        trainable = {}
+        for name in _stack_sizes(self.model):
+            stack, cut = getattr(params, name), self._cut(name)
+            n = 0 if stack is None else jax.tree.leaves(stack)[0].shape[0]
+            trainable[name] = None if cut == n else jax.tree.map(lambda a, cut=cut: a[cut:], stack)
+        for name in ("final_norm", "lm_head"):
+            trainable[name] = getattr(params, name) if self.finetune.train_head else None
+        if shardings is not None:  # slices of sharded arrays keep some layout; pin the intended one
+            trainable = jax.device_put(trainable, shardings)
+        return trainable
+
+    def frozen(self, params: TransformerParams):
+        """The part of `params` that does not train (None for full training)."""
+        if self.kind == "full":
+            return None
+        if self.kind == "lora":
+            return params
+        frozen = {"embed": params.embed}
+        for name in _stack_sizes(self.model):
+            stack, cut = getattr(params, name), self._cut(name)
+            frozen[name] = None if stack is None else jax.tree.map(lambda a, cut=cut: a[:cut], stack)
+        for name in ("final_norm", "lm_head"):
+            frozen[name] = None if self.finetune.train_head else getattr(params, name)
+        return frozen
+
+    def merge(self, trainable, frozen) -> TransformerParams:
+        """The model's params: frozen and trainable parts joined (adapters attached, not folded in)."""
+        if self.kind == "full":
+            return trainable
+        if self.kind == "lora":
+            lora = self.finetune.lora
+            stacks = {}
+            for name in _stack_sizes(self.model):
+                stack = getattr(frozen, name)
+                stacks[name] = (
+                    None if stack is None else replace(stack, lora=as_lora_params(trainable[name], lora))
+                )
+            return replace(frozen, **stacks)
+        stacks = {}
+        for name in _stack_sizes(self.model):
+            f, t = frozen[name], trainable[name]
+            if t is None or f is None:
+                stacks[name] = f if t is None else t
+            elif jax.tree.leaves(f)[0].shape[0] == 0:
+                stacks[name] = t
+            else:
+                stacks[name] = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), f, t)
+
+        def pick(name):
+            return trainable[name] if trainable[name] is not None else frozen[name]
+
+        return TransformerParams(
+            embed=frozen["embed"],
+            blocks=stacks["blocks"],
+            moe_blocks=stacks["moe_blocks"],
+            final_norm=pick("final_norm"),
+            lm_head=pick("lm_head"),
+        )
+
+    def merged_for_export(self, trainable, frozen) -> TransformerParams:
+        """Plain model params (LoRA folded into the weights): what export and generation use."""
+        return merge_into_base(self.merge(trainable, frozen))

@@ -1,0 +1,82 @@
+"""Chat data for a fine-tuning run: resolve the tokenizer, render and pack the conversations once.
+
+Conversations are small next to pretraining corpora, so they are rendered
+and packed in memory at the start of the run, deterministically from the
+files, tokenizer, template, seq_len and seed: a resumed run rebuilds exactly
+the same rows (and the run header records the files' and tokenizer's hashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+from shipyard.config import Config
+from shipyard.data.chat import (
+    ChatBatchLoader,
+    ChatFormat,
+    chat_tokenizer_path,
+    pack,
+    pad_id_of,
+    pick_template,
+    read_conversations,
+)
+from shipyard.data.tokenizer import load_tokenizer, tokenizer_sha256
+from shipyard.errors import DataError
+
+
+def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
+    tok = load_tokenizer(tok_path)
+    return ChatFormat(tok, pick_template(template, tok))
+
+
+def _sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_chat_data(cfg: Config) -> dict:
+    """{"loader", "validation" (PackedChats or None), "tokenizer", "inputs" (for the run header), "summary"}."""
+    chat, seq_len = cfg.data.chat, cfg.data.seq_len
+    tok_path = chat_tokenizer_path(chat.tokenizer, cfg.train.init_from)
+    fmt = chat_format_for(tok_path, chat.template)
+    vocab = fmt.tok.get_vocab_size(with_added_tokens=True)
+    if vocab > cfg.model.vocab_size:
+        raise DataError(
+            f"data.chat: the tokenizer {tok_path} has {vocab} tokens, more than model.vocab_size="
+            f"{cfg.model.vocab_size}; use the base model's tokenizer"
+        )
+    pad = pad_id_of(tok_path, fmt.tok)
+
+    def packed(path: str, seed: int | None):
+        rendered = [fmt.render(messages) for messages in read_conversations(path)]
+        return pack(rendered, seq_len, pad, seed, chat.pack)
+
+    train = packed(chat.train, cfg.train.seed)
+    validation = packed(chat.validation, None) if chat.validation is not None else None
+    inputs = {"chat_train": {"path": str(chat.train), "sha256": _sha256(chat.train)}}
+    if chat.validation is not None:
+        inputs["chat_validation"] = {"path": str(chat.validation), "sha256": _sha256(chat.validation)}
+    inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
+    summary = (
+        f"shipyard: chat data: {train.conversations} conversations ({fmt.template.name} template) in "
+        f"{len(train)} rows of {seq_len + 1} tokens, {train.fill():.0%} filled, "
+        f"{int(train.loss_mask.sum()):,} assistant tokens trained"
+        + (f"; {train.dropped} left out (longer than the row or no reply)" if train.dropped else "")
+    )
+    return {
+        "loader": ChatBatchLoader(train, cfg.train.global_batch_size, cfg.train.seed),
+        "validation": validation,
+        "tokenizer": tok_path,
+        "inputs": inputs,
+        "summary": summary,
+    }
+
+
+def copy_tokenizer(tok_path: Path, dest: Path) -> None:
+    """tokenizer.json (and tokenizer_config.json when present) into dest/."""
+    src = tok_path if tok_path.is_dir() else tok_path.parent
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path, dest / "tokenizer.json")
+    if (src / "tokenizer_config.json").is_file():
+        shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
