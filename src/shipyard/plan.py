@@ -117,21 +117,30 @@ def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     import jax
 
     from shipyard.model.params import is_spec
-    from shipyard.model.transformer import param_specs
     from shipyard.parallel.mesh import logical_to_pspec, rules_for
+    from shipyard.train.finetune import Partition
 
     mesh, rules = _MeshShape(sizes), rules_for(cfg.mesh)
-    params = opt = 0.0
-    for spec in jax.tree.leaves(param_specs(cfg.model), is_leaf=is_spec):
+    partition = Partition(cfg.model, cfg.train.finetune)
+
+    def local(spec) -> float:
         pspec = logical_to_pspec(spec.logical_axes, spec.shape, mesh, rules)
         split = math.prod(
             sizes[a] for entry in pspec if entry for a in ((entry,) if isinstance(entry, str) else entry)
         )
-        local = spec.size / split
-        params += local
+        return spec.size / split
+
+    # Gradients and optimizer moments exist only for what trains (all of it, the adapters or the
+    # last layers); frozen params are held once, without either.
+    trained = opt = 0.0
+    for spec in jax.tree.leaves(partition.trainable_specs(), is_leaf=is_spec):
+        n = local(spec)
+        trained += n
         muon_matrix = cfg.train.optimizer.name == "muon" and spec.role == "weight"
-        opt += local * (4.0 if muon_matrix else 8.0)
-    return {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": opt, "params_count_local": params}
+        opt += n * (4.0 if muon_matrix else 8.0)
+    frozen = sum(local(s) for s in jax.tree.leaves(partition.frozen_specs(), is_leaf=is_spec))
+    params = trained + frozen
+    return {"params": 4.0 * params, "grads": 4.0 * trained, "optimizer": opt, "params_count_local": params}
 
 
 def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
@@ -277,9 +286,9 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from shipyard.config import build_config, read_yaml
-    from shipyard.model.params import param_shardings
-    from shipyard.model.transformer import param_specs
+    from shipyard.model.params import abstract_params, param_shardings
     from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+    from shipyard.train.finetune import Partition
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import make_train_step
     from shipyard.train.trainer import _abstract_state
@@ -287,10 +296,13 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     cfg = build_config(read_yaml(cfg_yaml, "plan config"))
     mesh = make_mesh(cfg.mesh)
     rules = rules_for(cfg.mesh)
-    specs = param_specs(cfg.model)
+    partition = Partition(cfg.model, cfg.train.finetune)
+    specs = partition.trainable_specs()
     shardings = param_shardings(specs, mesh, rules)
     optimizer = build_optimizer(cfg.train, specs)
     state = _abstract_state(cfg, specs, shardings, optimizer)
+    frozen_specs = partition.frozen_specs()
+    frozen = abstract_params(frozen_specs, param_shardings(frozen_specs, mesh, rules))
     B, S = cfg.train.global_batch_size, cfg.data.seq_len
     batch_spec = logical_to_pspec(("batch", "seq"), (B, S + 1), mesh, rules)
     bs = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
@@ -304,21 +316,27 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     )
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     step = jax.jit(
-        make_train_step(cfg, optimizer, None, act, rules),
-        in_shardings=(state_shardings, {"tokens": bs, "loss_mask": bs}),
+        make_train_step(cfg, optimizer, None, act, rules, partition),
+        in_shardings=(
+            state_shardings,
+            {"tokens": bs, "loss_mask": bs},
+            jax.tree.map(lambda x: x.sharding, frozen),
+        ),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch, frozen).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    state_bytes = sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
-    )
-    params_bytes = sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state.params)
-    )
+
+    def local_bytes(tree) -> int:
+        return sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+        )
+
+    trained_bytes, frozen_bytes = local_bytes(state.params), local_bytes(frozen)
+    state_bytes = local_bytes(state)
     return {
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
@@ -330,9 +348,9 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
         + mem.temp_size_in_bytes
         + mem.output_size_in_bytes
         - mem.alias_size_in_bytes,
-        "state_bytes": state_bytes,
-        "params_bytes": params_bytes,
-        "optimizer_bytes": state_bytes - params_bytes,
+        "state_bytes": state_bytes + frozen_bytes,
+        "params_bytes": trained_bytes + frozen_bytes,
+        "optimizer_bytes": state_bytes - trained_bytes,
         "flops_per_device": float(cost.get("flops", 0.0)) if cost else 0.0,
     }
 

@@ -204,6 +204,9 @@ class PackedChats:
         }
 
 
+_OPEN_ROWS = 16
+
+
 def pack(
     rendered: list[tuple[list[int], list[int]]],
     seq_len: int,
@@ -214,8 +217,9 @@ def pack(
     """Place rendered conversations into rows of seq_len + 1 tokens.
 
     Order: a seeded permutation (None keeps file order); each conversation goes
-    into the current row if it fits, else starts a new one (one per row when
-    `pack` is false). Padding is pad_id with segment -1 and no loss.
+    into the first of the newest few rows where it fits, else starts a new one
+    (one per row when `pack` is false). Padding is pad_id with segment -1 and
+    no loss.
     """
     width = seq_len + 1
     keep = [i for i, (ids, mask) in enumerate(rendered) if len(ids) <= width and any(mask[1:])]
@@ -227,10 +231,18 @@ def pack(
         )
     order = keep if seed is None else [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
     rows: list[list[int]] = []
+    used: list[int] = []
+    open_rows: list[int] = []  # the newest rows with room: bounded first-fit, linear in the data
     for i in order:
-        if not pack or not rows or sum(len(rendered[j][0]) for j in rows[-1]) + len(rendered[i][0]) > width:
+        size = len(rendered[i][0])
+        home = next((r for r in open_rows if used[r] + size <= width), None) if pack else None
+        if home is None:
             rows.append([])
-        rows[-1].append(i)
+            used.append(0)
+            home = len(rows) - 1
+            open_rows = (open_rows + [home])[-_OPEN_ROWS:]
+        rows[home].append(i)
+        used[home] += size
     n = len(rows)
     tokens = np.full((n, width), pad_id, np.int32)
     trained = np.zeros((n, width), np.int32)

@@ -77,6 +77,25 @@ class Partition:
         out["lm_head"] = full.lm_head if head else None
         return out
 
+    def frozen_specs(self):
+        """Spec tree of the frozen part (None for full training); mirrors `frozen(params)`."""
+        if self.kind == "full":
+            return None
+        full = param_specs(self.model)
+        if self.kind == "lora":
+            return full
+        out: dict[str, Any] = {"embed": full.embed}
+        for name in _stack_sizes(self.model):
+            stack, cut = getattr(full, name), self._cut(name)
+            out[name] = (
+                None
+                if stack is None
+                else map_specs(lambda s, cut=cut: replace(s, shape=(cut, *s.shape[1:])), stack)
+            )
+        for name in ("final_norm", "lm_head"):
+            out[name] = None if self.finetune.train_head else getattr(full, name)
+        return out
+
     def initial(self, params: TransformerParams, key: jax.Array, shardings=None):
         """The trainable tree to start from: the model's own params (or its last layers), or fresh
         adapters (B = 0, so the adapted model starts equal to `params`)."""

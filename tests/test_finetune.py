@@ -1,0 +1,224 @@
+"""Fine-tuning: packed chats train as if alone, LoRA (merge, PEFT, frozen base, small state), freezing."""
+
+import hashlib
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from chat_fixtures import train_sft, upper_task, write_chats, write_tokenizer
+from model_fixtures import noisy_params
+
+from shipyard.cli import main
+from shipyard.config import FinetuneConfig, LoraConfig, load_config
+from shipyard.data.chat import ChatFormat, pack, pick_template
+from shipyard.data.tokenizer import load_tokenizer
+from shipyard.model.transformer import logits
+from shipyard.train.checkpoint import restore
+from shipyard.train.finetune import Partition
+from shipyard.train.step import make_gradient_fn
+
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def _model(name="tiny", **update):
+    cfg = load_config(name).model
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def test_packed_conversations_give_the_logits_they_have_alone(tmp_path):
+    tok = load_tokenizer(write_tokenizer(tmp_path))
+    fmt = ChatFormat(tok, pick_template("auto", tok))
+    convs = [fmt.render(c["messages"]) for c in upper_task(3, 3)]
+    packed = pack(convs, seq_len=127, pad_id=2, seed=None)
+    assert len(packed) == 1  # all three in one row
+    cfg = _model()
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg, 0, 1, 0.05))
+    row = packed.tokens[:1, :-1]
+    together = logits(
+        params,
+        jnp.asarray(row),
+        cfg,
+        segment_ids=jnp.asarray(packed.segment_ids[:1]),
+        positions=jnp.asarray(packed.positions[:1]),
+    )[0]
+    at = 0
+    for ids, _ in convs:
+        alone = logits(params, jnp.asarray([ids]), cfg)[0]
+        np.testing.assert_allclose(together[at : at + len(ids)], alone, atol=1e-5)
+        at += len(ids)
+    # without the segments the later conversations would see the earlier ones
+    mixed = logits(params, jnp.asarray(row), cfg)[0]
+    assert np.max(np.abs(mixed[len(convs[0][0]) : at] - together[len(convs[0][0]) : at])) > 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe-tiny"])
+def test_lora_starts_at_the_base_and_merging_equals_the_adapter_path(preset):
+    cfg = _model(preset)
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg, 0, 2, 0.05))
+    part = Partition(cfg, FinetuneConfig(lora=LoraConfig(rank=4, alpha=8.0, targets=ALL)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)))
+    fresh = part.initial(params, jax.random.key(0))
+    base = logits(params, tokens, cfg)
+    assert np.array_equal(logits(part.merge(fresh, part.frozen(params)), tokens, cfg), base)  # B = 0
+    # random non-zero B: the unmerged adapter path and the folded weights agree
+    trained = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), fresh)
+    adapted = logits(part.merge(trained, part.frozen(params)), tokens, cfg)
+    merged = logits(part.merged_for_export(trained, part.frozen(params)), tokens, cfg)
+    assert np.max(np.abs(adapted - base)) > 1e-2
+    np.testing.assert_allclose(merged, adapted, atol=1e-5)
+    if preset == "moe-tiny":  # experts get no adapters; attention in every layer does
+        assert set(trained["moe_blocks"]["a"]) == {"q", "k", "v", "o"}
+
+
+def test_frozen_layers_get_exactly_the_full_gradient_of_the_trained_ones():
+    cfg = load_config("tiny", ["model.num_layers=3", "train.finetune={train_last_layers: 1}"])
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg.model, 0, 3, 0.05))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, (4, 33)))
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((4, 32))}
+    full_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"finetune": None})})
+    full, _, _ = jax.jit(make_gradient_fn(full_cfg))(params, None, batch, 1.0)
+    part = Partition(cfg.model, cfg.train.finetune)
+    grads, _, _ = jax.jit(make_gradient_fn(cfg, partition=part))(
+        part.initial(params, jax.random.key(0)), part.frozen(params), batch, 1.0
+    )
+    assert part.frozen_layers == 2 and grads["blocks"].wq.shape[0] == 1
+    for name in ("wq", "wo", "w_down", "attn_norm"):
+        np.testing.assert_allclose(
+            getattr(grads["blocks"], name)[0], getattr(full.blocks, name)[2], atol=1e-6
+        )
+    np.testing.assert_allclose(grads["lm_head"], full.lm_head, atol=1e-6)
+    np.testing.assert_allclose(grads["final_norm"], full.final_norm, atol=1e-6)
+
+
+def _tree_hash(path):
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tmp_path_factory):
+    """A short SFT run (the base) and a LoRA run on top of it, which takes its tokenizer from the base."""
+    root = tmp_path_factory.mktemp("ft")
+    tok = write_tokenizer(root / "tok")
+    train = write_chats(root / "train.jsonl", upper_task(0, 300))
+    base = train_sft(root, "base", train, tok, "train.steps=30", "train.checkpoint.every=30")
+    before = _tree_hash(base)
+    lora = [
+        f"train.init_from={base}",
+        "train.finetune={lora: {rank: 4, alpha: 8, dropout: 0.1, targets: [q, k, v, o, gate, up, down]}}",
+        "train.steps=12",
+        "train.checkpoint.every=6",
+        "train.logging.log_every=1",
+    ]
+    run = train_sft(root, "lora", train, None, *lora)
+    return {"root": root, "base": base, "lora": run, "lora_args": lora, "train": train, "base_hash": before}
+
+
+def test_lora_run_keeps_the_base_and_holds_only_adapters(chat_runs):
+    base, run = chat_runs["base"], chat_runs["lora"]
+    assert _tree_hash(base) == chat_runs["base_hash"]  # the base run is untouched
+    state = restore(run / "checkpoints", 12, None)
+    adapters = sum(np.asarray(x).size for x in jax.tree.leaves(state["params"]))
+    moments = sum(np.asarray(x).size for x in jax.tree.leaves(state["opt_state"]))
+    model = sum(
+        np.asarray(x).size for x in jax.tree.leaves(restore(base / "checkpoints", 30, None)["params"])
+    )
+    assert adapters < model / 10
+    assert 2 * adapters <= moments <= 2 * adapters + 16  # AdamW's two moments (+ counters): adapters only
+    # the merged model: every tensor without an adapter is bitwise the base's, adapted ones moved
+    from shipyard.interop.hf import load_run_params
+
+    _, _, merged = load_run_params(run)
+    _, _, original = load_run_params(base)
+    assert np.array_equal(merged.embed, original.embed) and np.array_equal(merged.lm_head, original.lm_head)
+    assert np.array_equal(merged.blocks.attn_norm, original.blocks.attn_norm)
+    assert not np.allclose(merged.blocks.wq, original.blocks.wq, atol=1e-7)
+
+
+def test_lora_resume_is_bitwise(chat_runs, tmp_path):
+    run = chat_runs["lora"]
+    copy = tmp_path / "lora"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "12")  # as if killed between checkpoints 6 and 12
+    args = ["train", str(copy / "config.yaml"), "--run-dir", str(copy), "--resume"]
+    assert main(args) == 0
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(x)["loss"] for x in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 12 and losses == again
+    a = jax.tree.leaves(restore(run / "checkpoints", 12, None)["params"])
+    b = jax.tree.leaves(restore(copy / "checkpoints", 12, None)["params"])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
+    torch = pytest.importorskip("torch")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shipyard.interop.hf import load_run_params
+
+    root = chat_runs["root"]
+    assert main(["export", "hf", str(chat_runs["base"]), str(root / "base-hf")]) == 0
+    assert (
+        main(
+            ["export", "peft", str(chat_runs["lora"]), str(root / "adapter"), "--base", str(root / "base-hf")]
+        )
+        == 0
+    )
+    config = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and len(config["target_modules"]) == 7
+    cfg, _, merged = load_run_params(chat_runs["lora"])
+    ids = np.random.default_rng(0).integers(0, 263, (2, 20))
+    ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
+    hf = AutoModelForCausalLM.from_pretrained(root / "base-hf", dtype=torch.float32)
+    model = PeftModel.from_pretrained(hf, root / "adapter").eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    # the merged export is the same model again
+    assert main(["export", "hf", str(chat_runs["lora"]), str(root / "merged-hf")]) == 0
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(root / "merged-hf", dtype=torch.float32)(
+            torch.tensor(ids)
+        )
+    np.testing.assert_allclose(plain.logits.numpy(), ours, atol=1e-4)
+    # a run without adapters has nothing to export as PEFT
+    assert main(["export", "peft", str(chat_runs["base"]), str(root / "nothing")]) != 0
+    assert not (root / "nothing").exists()
+
+
+def test_last_layer_training_leaves_the_rest_bitwise(chat_runs):
+    from shipyard.interop.hf import load_run_params
+
+    root = chat_runs["root"]
+    run = train_sft(
+        root,
+        "last",
+        chat_runs["train"],
+        None,
+        f"train.init_from={chat_runs['base']}",
+        "train.finetune={train_last_layers: 1, train_head: false}",
+        "train.steps=5",
+    )
+    _, _, after = load_run_params(run)
+    _, _, before = load_run_params(chat_runs["base"])
+    assert np.array_equal(after.embed, before.embed) and np.array_equal(after.lm_head, before.lm_head)
+    for name in ("wq", "w_up", "attn_norm"):
+        a, b = getattr(after.blocks, name), getattr(before.blocks, name)
+        assert np.array_equal(a[0], b[0]) and not np.array_equal(a[1], b[1])
+
+
+def test_lora_step_compiles_to_less_memory_than_full_training():
+    from shipyard.plan import compiled
+
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    full = compiled(load_config("tiny"), sizes)
+    lora = compiled(load_config("tiny", ["train.finetune={lora: {rank: 4}}"]), sizes)
+    assert lora["optimizer_bytes"] < full["optimizer_bytes"] / 10
+    assert lora["peak_bytes"] < full["peak_bytes"]
+    assert lora["params_bytes"] > full["params_bytes"]  # the frozen base plus the adapters
