@@ -46,10 +46,12 @@ def write_chats(path: Path, conversations: list[dict]) -> Path:
     return path
 
 
-def sft_args(out_dir: Path, name: str, train: Path, tokenizer: Path | None, *extra: str) -> list[str]:
+def sft_args(
+    out_dir: Path, name: str, train: Path, tokenizer: Path | None, *extra: str, config: str = "tiny"
+) -> list[str]:
     args = [
         "train",
-        "tiny",
+        config,
         f"run.out_dir={out_dir}",
         f"run.name={name}",
         "data.seq_len=128",
@@ -59,6 +61,8 @@ def sft_args(out_dir: Path, name: str, train: Path, tokenizer: Path | None, *ext
     return args + list(extra)
 
 
-def train_sft(out_dir: Path, name: str, train: Path, tokenizer: Path | None, *extra: str) -> Path:
-    assert main(sft_args(out_dir, name, train, tokenizer, *extra)) == 0
+def train_sft(
+    out_dir: Path, name: str, train: Path, tokenizer: Path | None, *extra: str, config: str = "tiny"
+) -> Path:
+    assert main(sft_args(out_dir, name, train, tokenizer, *extra, config=config)) == 0
     return out_dir / name

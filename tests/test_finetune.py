@@ -222,3 +222,145 @@ def test_lora_step_compiles_to_less_memory_than_full_training():
     assert lora["optimizer_bytes"] < full["optimizer_bytes"] / 10
     assert lora["peak_bytes"] < full["peak_bytes"]
     assert lora["params_bytes"] > full["params_bytes"]  # the frozen base plus the adapters
+
+
+def _read_until(fd, needle: bytes, timeout: float = 120.0) -> bytes:
+    import os
+    import select
+    import time
+
+    out, deadline = b"", time.time() + timeout
+    while needle not in out:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.time(), 0))
+        if not ready:
+            raise AssertionError(f"no {needle!r} within {timeout}s; got {out[-500:]!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_chat_command_streams_replies_in_a_terminal(chat_runs):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from shipyard.chat import load_chat_model
+
+    run = chat_runs["lora"]
+    model = load_chat_model(run)
+    expected = [
+        model.decode(r)
+        for r in model.replies(
+            [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "upper abc"}]], 12
+        )
+    ][0]
+    master, slave = pty.openpty()
+    env = dict(os.environ, XLA_FLAGS="", SHIPYARD_NO_REEXEC="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "shipyard.cli",
+        "chat",
+        str(run),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "--system", "Be brief."], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+    )
+    os.close(slave)
+    try:
+        banner = _read_until(master, b"you> ")
+        assert b"shipyard template" in banner
+        os.write(master, b"upper abc\n")
+        reply = _read_until(master, b"you> ").decode()
+        assert "assistant> " in reply
+        streamed = reply.split("assistant> ", 1)[1].rsplit("you> ", 1)[0].replace("\r\n", "\n")
+        assert streamed == expected + "\n"
+        os.write(master, b"/nonsense\n")
+        assert b"unknown command /nonsense" in _read_until(master, b"you> ")
+        os.write(master, b"/reset\n")
+        assert b"(new conversation)" in _read_until(master, b"you> ")
+        os.write(master, b"\x04")  # Ctrl-D ends the session
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_sft_starts_from_an_imported_hf_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = write_tokenizer(tmp_path / "hf")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=263,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
+    hf.save_pretrained(tok)  # next to tokenizer.json, as a hub model directory has it
+    assert main(["import", "hf", str(tok), str(tmp_path / "imported")]) == 0
+    train = write_chats(tmp_path / "train.jsonl", upper_task(0, 200))
+    run = train_sft(
+        tmp_path,
+        "sft",
+        train,
+        None,  # the tokenizer comes with the imported model
+        "train.steps=40",
+        "train.optimizer.lr=3e-3",
+        config=str(tmp_path / "imported" / "config.yaml"),
+    )
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_lora_dropout_acts_on_the_adapter_input_only_when_training():
+    from shipyard.model.lora import LoraParams, delta
+
+    rng = np.random.default_rng(0)
+    a, b = (
+        jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+        jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+    )
+    lora = LoraParams(a={"q": a}, b={"q": b}, scale=2.0, dropout=0.5)
+    x = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+    clean = delta(lora, "q", x, None)
+    np.testing.assert_allclose(clean, 2.0 * (x @ a) @ b, rtol=1e-5, atol=1e-5)
+    noisy = [delta(lora, "q", x, jax.random.key(i)) for i in range(400)]
+    assert not np.allclose(noisy[0], clean, atol=1e-3) and not np.allclose(noisy[0], noisy[1], atol=1e-3)
+    # inverted dropout: unbiased on average
+    mean = np.mean(noisy, axis=0)
+    assert np.linalg.norm(mean - clean) < 0.1 * np.linalg.norm(clean)
+    assert np.linalg.norm(noisy[0] - clean) > 0.3 * np.linalg.norm(clean)
+    assert delta(lora, "k", x, None) is None  # no adapter on k
+
+
+def test_finetune_config_errors_name_the_field():
+    from shipyard.errors import ConfigError
+
+    cases = {
+        "train.finetune={lora: {rank: 4}, train_last_layers: 1}": "choose LoRA or train_last_layers",
+        "train.finetune={train_last_layers: 9}": "exceeds model.num_layers=2",
+        "train.finetune={lora: {targets: [q, q]}}": "distinct names",
+        "train.finetune={lora: {targets: [qq]}}": "train.finetune.lora.targets.0",
+        "train.finetune={}": "set lora or train_last_layers",
+    }
+    for override, needle in cases.items():
+        with pytest.raises(ConfigError, match=needle):
+            load_config("tiny", [override])

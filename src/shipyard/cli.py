@@ -377,7 +377,11 @@ def _cmd_eval(args) -> int:
     for name, m in report["tasks"].items():
         print(
             f"{name}: "
-            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+            + ", ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in m.items()
+                if not isinstance(v, (list, dict))  # examples stay in the JSON report
+            )
         )
     print(f"wrote {out}")
     return 0
