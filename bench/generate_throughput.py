@@ -11,7 +11,8 @@ own child process with the same environment (allocator included, as in
 bench/train_throughput.py); the first call (compilation, warm-up) is timed
 apart, then several calls are timed and the median is reported as generated
 tokens per second (batch x new tokens / call time, prefill included; the
-ratio of the fastest calls is recorded too). The two sides' tokens are
+ratio of the fastest calls is recorded too). shipyard runs with its default
+`tokens_per_call` (decode steps per jitted call, recorded). The two sides' tokens are
 compared: per row, how many leading tokens agree. Run it on an otherwise idle
 machine: torch's OpenMP threads slow down by 10x or more when another process
 takes a core, which would inflate the ratio.
@@ -90,7 +91,7 @@ def shipyard_generator(run_dir: Path):
     cfg, _, params = load_run_params(run_dir)
     gen = Generator(jax.tree.map(jax.numpy.asarray, params), cfg.model)
     batch = prompts()
-    return lambda: gen(batch, NEW_TOKENS)
+    return (lambda: gen(batch, NEW_TOKENS)), gen.tokens_per_call
 
 
 def transformers_generator(hf_dir: Path):
@@ -124,7 +125,7 @@ def transformers_generator(hf_dir: Path):
 def _worker(name: str, path: Path, rounds: int) -> None:
     extra = {}
     if name == "shipyard":
-        run = shipyard_generator(path)
+        run, extra["tokens_per_call"] = shipyard_generator(path)
     else:
         run, extra["threads"] = transformers_generator(path)
     t = time.perf_counter()
@@ -209,6 +210,7 @@ def main() -> None:
         "transformers_call_s": tf["call_s"],
         f"rows_agreeing_on_first_{AGREE_FIRST}_tokens": sum(n >= AGREE_FIRST for n in leading),
         "leading_tokens_agreeing_per_row": leading,
+        "shipyard_tokens_per_call": sy["tokens_per_call"],
         "torch_threads": tf["threads"],
         "jax_version": jax.__version__,
         "torch_version": torch.__version__,

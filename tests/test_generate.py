@@ -62,6 +62,27 @@ def test_sampling_is_seeded_and_stops():
     assert stopped == first[: first.index(first[2]) + 1]
 
 
+def test_tokens_per_call_changes_nothing_but_how_often_the_host_is_called():
+    cfg = load_config("tiny").model
+    params = _params(cfg)
+
+    def run(gen):
+        streamed = []
+        greedy = gen(PROMPTS, 11, on_token=lambda b, t: streamed.append((b, t)))
+        sampled = gen(PROMPTS, 11, temperature=1.0, top_k=20, seed=5)
+        stopped = gen(PROMPTS, 11, stop_ids=(greedy[0][4],), stop=lambda toks: len(toks) == 6)
+        return greedy, sampled, stopped, streamed
+
+    one_by_one = run(Generator(params, cfg, tokens_per_call=1))
+    greedy, _, stopped, streamed = one_by_one
+    # on_token sees every token once, step by step, rows in order within a step
+    assert streamed == [(b, greedy[b][i]) for i in range(11) for b in range(len(PROMPTS))]
+    assert stopped[0] == greedy[0][: greedy[0].index(greedy[0][4]) + 1]
+    assert all(len(s) <= 6 for s in stopped)
+    for n in (3, 16):
+        assert run(Generator(params, cfg, tokens_per_call=n)) == one_by_one
+
+
 def test_greedy_equals_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Generator's CPU decode step (fused, column-blocked weights) against model.decode.forward_cached."""
+"""Generator's CPU decode step (fused weights, per-layer caches) against model.decode.forward_cached."""
 
 from functools import partial
 
@@ -14,6 +14,8 @@ from shipyard.generate import (
     _cpu_decode_forward,
     _cpu_decode_supported,
     _cpu_decode_weights,
+    _from_layer_caches,
+    _to_layer_caches,
 )
 from shipyard.model.decode import forward_cached, init_cache
 
@@ -28,8 +30,7 @@ PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
         ["model.rope_scaling={factor: 8.0, original_max_position: 64}", "model.num_heads=8"],
     ],
 )
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_cpu_decode_step_equals_forward_cached(overrides, blocks):
+def test_cpu_decode_step_equals_forward_cached(overrides):
     cfg = load_config("tiny", overrides).model
     params = noisy_params(cfg, key=3, seed=2, scale=0.2)
     assert _cpu_decode_supported(params, cfg)
@@ -43,15 +44,17 @@ def test_cpu_decode_step_equals_forward_cached(overrides, blocks):
     )
     ours = jax.jit(partial(_cpu_decode_forward, cfg=cfg))
     reference = jax.jit(partial(forward_cached, cfg=cfg))
-    weights = _cpu_decode_weights(params, cfg, blocks)
-    theirs = cache
+    weights = _cpu_decode_weights(params, cfg)
+    theirs, cache = cache, _to_layer_caches(cache)
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, _from_layer_caches(cache), theirs))
     step = jnp.asarray([[3], [77], [300]], jnp.int32)
     for i in range(4):  # feeding the same tokens to both, so any difference in the caches shows too
         got, cache = ours(weights, step, cache, np.int32(P + i), jnp.asarray(start))
         want, theirs = reference(params, step, theirs, np.int32(P + i), jnp.asarray(start))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(cache.k), np.asarray(theirs.k), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(cache.v), np.asarray(theirs.v), atol=1e-5)
+        ours_kv = _from_layer_caches(cache)
+        np.testing.assert_allclose(np.asarray(ours_kv.k), np.asarray(theirs.k), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ours_kv.v), np.asarray(theirs.v), atol=1e-5)
         step = jnp.argmax(want[:, -1], axis=-1)[:, None].astype(jnp.int32)
 
 

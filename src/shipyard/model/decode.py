@@ -39,8 +39,14 @@ def forward_cached(
     pos: jax.Array,
     start: jax.Array,
     cfg: ModelConfig,
+    last_only: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Logits [batch, T, vocab] (fp32) for `tokens` [batch, T] written at cache slots pos..pos+T-1."""
+    """Logits [batch, T, vocab] (fp32) for `tokens` [batch, T] written at cache slots pos..pos+T-1.
+
+    With `last_only`, logits [batch, 1, vocab] for the last position only: all
+    a prefill needs, and the output projection of every prompt position is a
+    large part of a prefill's work for a big vocabulary.
+    """
     K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     B, T = tokens.shape
     max_len = cache.k.shape[2]
@@ -86,7 +92,7 @@ def forward_cached(
         ks.append(k)
         vs.append(v)
         first += n
-    h = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
+    h = layers.rms_norm(x[:, -1:] if last_only else x, params.final_norm, cfg.norm_eps)
     if len(ks) > 1:  # (a dense model keeps its one cache array: no per-token copy)
         ks, vs = [jnp.concatenate(ks)], [jnp.concatenate(vs)]
     return (h @ output_weights(params)).astype(jnp.float32), KVCache(ks[0], vs[0])
