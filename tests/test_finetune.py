@@ -364,3 +364,34 @@ def test_finetune_config_errors_name_the_field():
     for override, needle in cases.items():
         with pytest.raises(ConfigError, match=needle):
             load_config("tiny", [override])
+
+
+@pytest.mark.parametrize(
+    "finetune", ["{lora: {rank: 4, targets: [q, k, v, o, gate, up, down]}}", "{train_last_layers: 1}"]
+)
+def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
+    from jax.sharding import NamedSharding
+
+    from shipyard.config import MeshConfig
+    from shipyard.model.params import param_shardings
+    from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+
+    cfg = load_config("tiny", [f"train.finetune={finetune}"])
+    part = Partition(cfg.model, cfg.train.finetune)
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg.model, 0, 4, 0.05))
+    trainable = jax.tree.map(lambda x: x + 0.01, part.initial(params, jax.random.key(0)))  # B != 0
+    frozen = part.frozen(params)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 300, (8, 33)))
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((8, 32))}
+    want = jax.jit(make_gradient_fn(cfg, partition=part))(trainable, frozen, batch, 1.0)[0]
+    mesh_cfg = MeshConfig(data=2, fsdp=2, tensor=2)
+    mesh, rules = make_mesh(mesh_cfg, jax.devices()), rules_for(mesh_cfg)
+    t_sh = param_shardings(part.trainable_specs(), mesh, rules)
+    f_sh = param_shardings(part.frozen_specs(), mesh, rules)
+    b_sh = NamedSharding(mesh, logical_to_pspec(("batch", "seq"), (8, 33), mesh, rules))
+    act = NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), (8, 32, 64), mesh, rules))
+    got = jax.jit(make_gradient_fn(cfg, None, act, rules, part), in_shardings=(t_sh, f_sh, b_sh, None))(
+        jax.device_put(trainable, t_sh), jax.device_put(frozen, f_sh), jax.device_put(batch, b_sh), 1.0
+    )[0]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)

@@ -34,6 +34,14 @@ def _cmd_config_show(args) -> int:
     total, active = num_params(cfg.model), num_active_params(cfg.model)
     sys.stdout.write(f"# parameters: {total} ({_human(total)})\n")
     sys.stdout.write(f"# active parameters per token: {active} ({_human(active)})\n")
+    if cfg.train.finetune is not None:
+        from shipyard.model.params import count_params
+        from shipyard.train.finetune import Partition
+
+        trained = count_params(Partition(cfg.model, cfg.train.finetune).trainable_specs())
+        sys.stdout.write(
+            f"# trainable parameters (train.finetune): {trained} ({_human(trained)}, {trained / total:.2%})\n"
+        )
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     sys.stdout.write(f"# training FLOPs per token at seq_len {cfg.data.seq_len}: {flops:.4g}\n")
     return 0
