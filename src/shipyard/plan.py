@@ -208,7 +208,8 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
         # shipyard's policy (module doc); optimizer: 8 for AdamW, between 4 and 8 with Muon.
         "bytes_per_param": {
             "params": 4.0,
-            "grads": 4.0,
+            # averaged over all params: with train.finetune only the trainable ones have these
+            "grads": state["grads"] / max(state["params_count_local"], 1.0),
             "optimizer": state["optimizer"] / max(state["params_count_local"], 1.0),
         },
         "bytes": {
@@ -433,8 +434,8 @@ def render(p: dict) -> str:
     lines = [
         f"mesh {p['mesh']} = {p['devices']} x {p['device']['name']} ({_fmt(p['device']['memory_bytes'])} each)",
         f"parameters: {p['params_total']:,} total, {p['params_active']:,} active per token",
-        f"train state per parameter: params {bpp['params']:.0f} B (fp32 master) + grads {bpp['grads']:.0f} B "
-        f"+ optimizer {bpp['optimizer']:.0f} B = {sum(bpp.values()):.0f} B; unsharded "
+        f"train state per parameter: params {bpp['params']:.0f} B (fp32 master) + grads {bpp['grads']:.3g} B "
+        f"+ optimizer {bpp['optimizer']:.3g} B = {sum(bpp.values()):.3g} B; unsharded "
         f"{p['params_total']:,} x {sum(bpp.values()):.0f} B = {p['params_total'] * sum(bpp.values()) / 1e9:,.1f} GB",
         "per device (analytic):",
         f"  params        {_fmt(b['params'])}",
