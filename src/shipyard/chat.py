@@ -38,6 +38,8 @@ class ChatModel:
     ) -> list[list[int]]:
         """Reply token ids per conversation (the end-of-turn token excluded)."""
         prompts = [self.fit(self.fmt.prompt(c), max_new_tokens) for c in conversations]
+        if top_k is not None:  # a tiny vocabulary may have fewer tokens than k
+            top_k = min(top_k, self.cfg.model.vocab_size)
         outs = self.generator(
             prompts,
             max_new_tokens,
