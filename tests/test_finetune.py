@@ -395,3 +395,13 @@ def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
     )[0]
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+
+
+def test_resume_refuses_another_finetune_setting(chat_runs, tmp_path, capsys):
+    copy = tmp_path / "lora"
+    shutil.copytree(chat_runs["lora"], copy)
+    args = ["train", str(copy / "config.yaml"), "--run-dir", str(copy), "--resume"]
+    assert main([*args, "train.finetune={lora: {rank: 2}}"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.finetune" in err[0]
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]

@@ -73,6 +73,16 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
                 f"{old_model.get(key)!r} there, {new_model[key]!r} in this config); use the run's config, "
                 "or train this one in a new run directory"
             )
+    # What trains and what it starts from decide the checkpoint's structure and the frozen params.
+    old_train = old.get("train") or {}
+    for key in ("finetune", "init_from"):
+        mine = getattr(cfg.train, key)
+        mine = mine.model_dump(mode="json") if hasattr(mine, "model_dump") else mine
+        if old_train.get(key) != mine:
+            raise RunDirError(
+                f"--resume: the run in {run_dir} was trained with train.{key}={old_train.get(key)!r}, this config "
+                f"has {mine!r}; resume with the run's own setting, or start a new run directory"
+            )
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:
