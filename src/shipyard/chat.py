@@ -129,10 +129,20 @@ def exact_match(model: ChatModel, path: str | Path, batch: int = 32, max_new_tok
             items.append((messages[:last], messages[last]["content"]))
     if not items:
         raise DataError(f"chat eval: {path} has no conversation with an assistant reply")
+    from tqdm import tqdm
+
     hits, examples = 0, []
+    bar = tqdm(
+        total=len(items),
+        desc=f"chat eval {Path(path).name}",
+        unit="conv",
+        dynamic_ncols=True,
+        disable=None if sys.stderr.isatty() else True,
+    )
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
         outs = model.replies([c for c, _ in chunk], max_new_tokens)
+        bar.update(len(chunk))
         for (context, ref), out in zip(chunk, outs):
             got = model.decode(out)
             ok = got.strip() == ref.strip()
@@ -141,6 +151,7 @@ def exact_match(model: ChatModel, path: str | Path, batch: int = 32, max_new_tok
                 examples.append(
                     {"prompt": context[-1]["content"], "reference": ref, "reply": got, "match": ok}
                 )
+    bar.close()
     return {"conversations": len(items), "exact_match": hits / len(items), "examples": examples}
 
 

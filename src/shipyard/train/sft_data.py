@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 from shipyard.config import Config
 from shipyard.data.chat import (
@@ -49,7 +52,16 @@ def load_chat_data(cfg: Config) -> dict:
     pad = pad_id_of(tok_path, fmt.tok)
 
     def packed(path: str, seed: int | None):
-        rendered = [fmt.render(messages) for messages in read_conversations(path)]
+        conversations = read_conversations(path)
+        bar = tqdm(
+            conversations,
+            desc=f"render {Path(path).name}",
+            unit="conv",
+            dynamic_ncols=True,
+            mininterval=0.5,
+            disable=None if sys.stderr.isatty() else True,
+        )
+        rendered = [fmt.render(messages) for messages in bar]
         return pack(rendered, seq_len, pad, seed, chat.pack)
 
     train = packed(chat.train, cfg.train.seed)
