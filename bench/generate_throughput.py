@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -185,7 +183,6 @@ def main() -> None:
         sy = _spawn("shipyard", run_dir, args)
         tf = _spawn("transformers", hf_dir, args)
 
-    import jax
     import torch
     import transformers
 
@@ -212,13 +209,9 @@ def main() -> None:
         "leading_tokens_agreeing_per_row": leading,
         "shipyard_tokens_per_call": sy["tokens_per_call"],
         "torch_threads": tf["threads"],
-        "jax_version": jax.__version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "allocator": cpu_tuning.allocator_name(),
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
+        **cpu_tuning.environment(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

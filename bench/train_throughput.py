@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -153,8 +151,6 @@ def main() -> None:
     sy = _spawn("shipyard", args)
     th = _spawn("torch", args)
 
-    import jax
-
     from shipyard.config import load_config
     from shipyard.train.metrics import flops_per_token, measure_matmul_peak
 
@@ -176,11 +172,7 @@ def main() -> None:
         "shipyard_step_s": sy["step_s"],
         "torch_step_s": th["step_s"],
         "torch_threads": th["threads"],
-        "jax_version": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "allocator": cpu_tuning.allocator_name(),
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
+        **cpu_tuning.environment(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

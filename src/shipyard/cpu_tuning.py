@@ -70,3 +70,18 @@ def reexec_with_fast_allocator() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **extra})
     except OSError:
         return  # keep running as we are: only slower
+
+
+def environment() -> dict[str, object]:
+    """What a benchmark result depends on besides the code: JAX version, XLA flags, allocator, CPU."""
+    import platform
+
+    import jax
+
+    return {
+        "jax_version": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "allocator": allocator_name(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
