@@ -27,6 +27,8 @@ import numpy as np
 from shipyard.errors import DataError
 
 ROLES = ("system", "user", "assistant")
+BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
+"""The arrays of an SFT batch: tokens [B, L+1]; loss mask, segment ids, positions [B, L]."""
 
 
 @dataclass(frozen=True)
@@ -195,13 +197,9 @@ class PackedChats:
         """Fraction of the rows' input positions holding real tokens."""
         return float(np.mean(self.segment_ids >= 0))
 
-    def row(self, i: int) -> dict[str, np.ndarray]:
-        return {
-            "tokens": self.tokens[i],
-            "loss_mask": self.loss_mask[i],
-            "segment_ids": self.segment_ids[i],
-            "positions": self.positions[i],
-        }
+    def rows(self, idx: list[int]) -> dict[str, np.ndarray]:
+        """The batch arrays (BATCH_KEYS) of rows `idx`."""
+        return {k: getattr(self, k)[idx] for k in BATCH_KEYS}
 
 
 _OPEN_ROWS = 16
@@ -312,13 +310,11 @@ class ChatBatchLoader:
         self.packed, self.batch_size = packed, batch_size
         self.order = grain.MapDataset.source(list(range(len(packed)))).shuffle(seed=seed).repeat()
 
+    @property
+    def row_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one row of each batch array (what `loader.device_batch` builds)."""
+        return {k: getattr(self.packed, k).shape[1:] for k in BATCH_KEYS}
+
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
         hi = self.batch_size if hi is None else hi
-        idx = [self.order[step * self.batch_size + r] for r in range(lo, hi)]
-        p = self.packed
-        return {
-            "tokens": p.tokens[idx],
-            "loss_mask": p.loss_mask[idx],
-            "segment_ids": p.segment_ids[idx],
-            "positions": p.positions[idx],
-        }
+        return self.packed.rows([self.order[step * self.batch_size + r] for r in range(lo, hi)])

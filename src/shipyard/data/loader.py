@@ -124,21 +124,36 @@ def build_loader(
     return BatchLoader(training_dataset(sources, weights, seed), batch_size, seq_len, eos_id)
 
 
-def device_batch(loader: BatchLoader, step: int, sharding) -> object:
-    """The global batch for `step` as a jax.Array with `sharding`, built from only this process's rows."""
+def device_batch(loader, step: int, sharding) -> object:
+    """The global batch for `step` as a jax.Array with `sharding`, built from only this process's rows.
+
+    With a dict of shardings (loaders whose rows are dicts of arrays, e.g.
+    packed chats, which name their per-row shapes in `row_shapes`): a dict of
+    global arrays, one per key.
+    """
     import jax
 
-    shape = (loader.batch_size, loader.seq_len + 1)
-    cache: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict[tuple[int, int], object] = {}
 
-    def rows_for(index) -> np.ndarray:
-        rows = index[0]
-        lo, hi, _ = rows.indices(shape[0])
+    def rows_for(index):
+        lo, hi, _ = index[0].indices(loader.batch_size)
         if (lo, hi) not in cache:  # replicas of the same rows (e.g. tensor parallelism) are built once
             cache[(lo, hi)] = loader.rows(step, lo, hi)
-        return cache[(lo, hi)][:, index[1]]
+        return cache[(lo, hi)]
 
-    return jax.make_array_from_callback(shape, sharding, rows_for)
+    def global_array(row_shape, sh, pick):
+        return jax.make_array_from_callback(
+            (loader.batch_size, *row_shape),
+            sh,
+            lambda index: pick(rows_for(index))[(slice(None), *index[1:])],
+        )
+
+    if not isinstance(sharding, dict):
+        return global_array((loader.seq_len + 1,), sharding, lambda rows: rows)
+    return {
+        key: global_array(loader.row_shapes[key], sh, lambda rows, key=key: rows[key])
+        for key, sh in sharding.items()
+    }
 
 
 class Prefetcher:
@@ -176,25 +191,3 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def device_batch_dict(loader, step: int, shardings: dict) -> dict:
-    """`device_batch` for loaders whose rows are dicts of arrays (packed chats): one global array per key,
-    each built from only this process's rows."""
-    import jax
-
-    cache: dict[tuple[int, int], dict] = {}
-    rows0 = loader.rows(0, 0, 1)
-
-    def part(key, index):
-        lo, hi, _ = index[0].indices(loader.batch_size)
-        if (lo, hi) not in cache:
-            cache[(lo, hi)] = loader.rows(step, lo, hi)
-        return cache[(lo, hi)][key][(slice(None), *index[1:])]
-
-    return {
-        key: jax.make_array_from_callback(
-            (loader.batch_size, *rows0[key].shape[1:]), sh, lambda index, key=key: part(key, index)
-        )
-        for key, sh in shardings.items()
-    }

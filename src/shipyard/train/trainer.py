@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from shipyard.config import Config, to_yaml
-from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch, device_batch_dict
+from shipyard.data.chat import BATCH_KEYS
+from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
 from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
@@ -232,9 +233,7 @@ def _train(
         return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
 
     micro = activations(batch_size // cfg.train.microbatches)
-    batch_keys = (
-        ("tokens", "loss_mask", "segment_ids", "positions") if chat is not None else ("tokens", "loss_mask")
-    )
+    batch_keys = BATCH_KEYS if chat is not None else ("tokens", "loss_mask")
     batch_shardings = {k: batch_sharding if k == "tokens" else mask_sharding for k in batch_keys}
     step_fn = jax.jit(
         make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
@@ -272,10 +271,7 @@ def _train(
         out = []
         for b in range(cfg.train.eval_batches):
             idx = [(b * batch_size + r) % len(val) for r in range(batch_size)]
-            if chat is not None:
-                rows = {k: np.stack([val.row(i)[k] for i in idx]) for k in eval_keys}
-            else:
-                rows = {"tokens": np.stack([val[i] for i in idx])}
+            rows = val.rows(idx) if chat is not None else {"tokens": np.stack([val[i] for i in idx])}
             batch = {k: _global_array(v, batch_shardings[k]) for k, v in rows.items()}
             out.append(eval_fn(params, frozen, batch))
         return out
@@ -330,7 +326,7 @@ def _train(
             )
 
     if chat is not None:
-        make_batch = partial(device_batch_dict, loader, shardings=batch_shardings)
+        make_batch = partial(device_batch, loader, sharding=batch_shardings)
     else:
 
         def make_batch(s):
