@@ -137,10 +137,11 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     gate, up = gate_up[..., :m], gate_up[..., m:]
     if adapter is None:
         return dense(jax.nn.silu(gate) * up, w_down)
-    gate, up = _plus(gate, adapter("gate", x)), _plus(up, adapter("up", x))
+    gate, up = add_optional(gate, adapter("gate", x)), add_optional(up, adapter("up", x))
     hidden = jax.nn.silu(gate) * up
-    return _plus(dense(hidden, w_down), adapter("down", hidden))
+    return add_optional(dense(hidden, w_down), adapter("down", hidden))
 
 
-def _plus(y: jax.Array, d: jax.Array | None) -> jax.Array:
-    return y if d is None else y + d.astype(y.dtype)
+def add_optional(y: jax.Array, d: jax.Array | None) -> jax.Array:
+    """y + d in y's shape and dtype, or y when there is no d (an absent adapter)."""
+    return y if d is None else y + d.reshape(y.shape).astype(y.dtype)

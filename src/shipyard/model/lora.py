@@ -22,12 +22,14 @@ import jax.numpy as jnp
 from shipyard.config import LoraConfig, ModelConfig
 from shipyard.model.params import ArraySpec
 
-# Per target: (input dims, input logical axes, output dims, output logical axes) with E = embed etc.
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
+# Each target's own dropout stream (folded into the layer's key).
+_TARGET_IDS = {t: i for i, t in enumerate(ATTENTION_TARGETS + MLP_TARGETS)}
 
 
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple, tuple, tuple]]:
+    """Per target: (input dims, their logical axes, output dims, their logical axes)."""
     E, H, K, D, M = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     return {
         "q": ((E,), ("embed",), (H, D), ("heads", "head_dim")),
@@ -106,13 +108,6 @@ def delta(lora: LoraParams | None, target: str, x: jax.Array, key: jax.Array | N
     h = x.reshape(-1, x.shape[-1]) @ a.reshape(-1, rank).astype(x.dtype)
     out = (h @ b.reshape(rank, -1).astype(x.dtype)) * jnp.asarray(lora.scale, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-_TARGET_IDS = {t: i for i, t in enumerate(ATTENTION_TARGETS + MLP_TARGETS)}
-
-
-def add(y: jax.Array, d: jax.Array | None) -> jax.Array:
-    return y if d is None else y + d.reshape(y.shape).astype(y.dtype)
 
 
 def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:

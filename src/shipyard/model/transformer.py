@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
 from shipyard.model import layers
-from shipyard.model.lora import LoraParams, add, delta
+from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
 
@@ -179,9 +179,9 @@ def attention_block(
         qkv = qkv + jnp.concatenate([p.bq.reshape(K, G, -1), p.bk[:, None], p.bv[:, None]], axis=1)
     q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if p.lora is not None:
-        q = add(q, delta(p.lora, "q", h, key))
-        k = add(k, delta(p.lora, "k", h, key))
-        v = add(v, delta(p.lora, "v", h, key))
+        q = layers.add_optional(q, delta(p.lora, "q", h, key))
+        k = layers.add_optional(k, delta(p.lora, "k", h, key))
+        v = layers.add_optional(v, delta(p.lora, "v", h, key))
     if p.q_norm is not None:
         q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
         k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
@@ -191,7 +191,7 @@ def attention_block(
     attn = attn.reshape(*attn.shape[:2], -1)
     out = layers.dense(attn, p.wo.reshape(-1, p.wo.shape[-1]))
     if p.lora is not None:
-        out = add(out, delta(p.lora, "o", attn, key))
+        out = layers.add_optional(out, delta(p.lora, "o", attn, key))
     return x + out
 
 
@@ -274,13 +274,10 @@ def forward(
             if stats_n is not None:
                 stats.append(stats_n)
         first += n
-    stats = (
-        None
-        if not stats
-        else stats[0]
-        if len(stats) == 1
-        else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
-    )
+    if stats:  # one entry per scanned part of the MoE stack, each [layers, ...]
+        stats = stats[0] if len(stats) == 1 else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+    else:
+        stats = None
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
 
 
