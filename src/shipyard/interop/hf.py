@@ -413,6 +413,29 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- run directories
 
 
+def run_checkpoint(run_dir: Path, step: int | None = None, what: str = "export"):
+    """(config, step) of a run directory's checkpoint `step` (default: the newest), or a RunDirError
+    naming what is missing, prefixed with `what` (the command)."""
+    from shipyard.config import load_config
+    from shipyard.errors import RunDirError
+    from shipyard.train.checkpoint import available_steps, checkpoint_dir
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"{what}: {run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(str(run_dir / "config.yaml"))
+    steps = available_steps(checkpoint_dir(run_dir))
+    if not steps:
+        raise RunDirError(f"{what}: {run_dir} has no complete checkpoint")
+    if step is None:
+        return cfg, steps[0]
+    if step not in steps:
+        raise RunDirError(
+            f"{what}: {run_dir} has no checkpoint {step} (available: {', '.join(map(str, steps))})"
+        )
+    return cfg, step
+
+
 def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True):
     """(config, step, params) from a run's checkpoint: only the params (partial restore), sharded over
     the local devices (fsdp over all of them when it divides); with `to_host` copied to host numpy one
@@ -424,27 +447,15 @@ def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True
     """
     import jax
 
-    from shipyard.config import MeshConfig, load_config
-    from shipyard.errors import RunDirError
+    from shipyard.config import MeshConfig
     from shipyard.model.params import abstract_params, param_shardings
     from shipyard.model.transformer import param_specs
     from shipyard.parallel.mesh import make_mesh, rules_for
-    from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore_params
+    from shipyard.train.checkpoint import checkpoint_dir, restore_params
     from shipyard.train.finetune import Partition
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"export: {run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(str(run_dir / "config.yaml"))
-    steps = available_steps(checkpoint_dir(run_dir))
-    if not steps:
-        raise RunDirError(f"export: {run_dir} has no complete checkpoint")
-    if step is None:
-        step = steps[0]
-    elif step not in steps:
-        raise RunDirError(
-            f"export: {run_dir} has no checkpoint {step} (available: {', '.join(map(str, steps))})"
-        )
+    cfg, step = run_checkpoint(run_dir, step)
     devices = jax.local_devices()
     n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
     mesh_cfg = MeshConfig(data=1, fsdp=n)

@@ -32,27 +32,19 @@ def load_run_adapters(run_dir: Path, step: int | None = None):
     """(config, step, {stack: {"a": {...}, "b": {...}} or None}) of a LoRA run, as host numpy."""
     import jax
 
-    from shipyard.config import load_config
+    from shipyard.interop.hf import run_checkpoint
     from shipyard.model.params import abstract_params
-    from shipyard.train.checkpoint import available_steps, checkpoint_dir, restore_params
+    from shipyard.train.checkpoint import checkpoint_dir, restore_params
     from shipyard.train.finetune import Partition
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"export peft: {run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(str(run_dir / "config.yaml"))
+    cfg, step = run_checkpoint(run_dir, step, "export peft")
     partition = Partition(cfg.model, cfg.train.finetune)
     if partition.kind != "lora":
         raise RunDirError(
             f"export peft: {run_dir} did not train LoRA adapters (train.finetune.lora is not set); "
             "use `shipyard export hf` for its full weights"
         )
-    steps = available_steps(checkpoint_dir(run_dir))
-    if not steps:
-        raise RunDirError(f"export peft: {run_dir} has no complete checkpoint")
-    step = steps[0] if step is None else step
-    if step not in steps:
-        raise RunDirError(f"export peft: {run_dir} has no checkpoint {step} (available: {steps})")
     specs = partition.trainable_specs()
     adapters = restore_params(checkpoint_dir(run_dir), step, abstract_params(specs))
     return cfg, step, jax.tree.map(np.asarray, adapters)
