@@ -19,13 +19,21 @@ import jax.numpy as jnp
 
 from shipyard.config import FinetuneConfig, ModelConfig
 from shipyard.model.lora import as_lora_params, lora_specs, merge_into_base
-from shipyard.model.params import init_params, map_specs
+from shipyard.model.params import ArraySpec, init_params, is_spec
 from shipyard.model.transformer import TransformerParams, param_specs
 
 
 def _stack_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """stack name -> (first layer index, number of layers)."""
     return {"blocks": (0, cfg.num_dense_layers), "moe_blocks": (cfg.num_dense_layers, cfg.num_moe_layers)}
+
+
+def _spec_rows(spec: ArraySpec, lo: int, hi: int) -> ArraySpec:
+    return replace(spec, shape=(hi - lo, *spec.shape[1:]))
+
+
+def _array_rows(a: jax.Array, lo: int, hi: int) -> jax.Array:
+    return a[lo:hi]
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,25 @@ class Partition:
         first, n = _stack_sizes(self.model)[name]
         return min(max(self.frozen_layers - first, 0), n)
 
+    def _split_layers(self, tree, rows):
+        """(trainable, frozen) dicts of a model tree (params or their specs) for train_last_layers:
+        each stack cut where its trainable layers start; `rows(leaf, lo, hi)` cuts one leaf."""
+        trainable: dict[str, Any] = {}
+        frozen: dict[str, Any] = {"embed": tree.embed}
+        for name, (_, n) in _stack_sizes(self.model).items():
+            stack, cut = getattr(tree, name), self._cut(name)
+
+            def part(lo, hi, stack=stack):
+                return jax.tree.map(lambda x: rows(x, lo, hi), stack, is_leaf=is_spec)
+
+            frozen[name] = None if stack is None else part(0, cut)
+            trainable[name] = None if stack is None or cut == n else part(cut, n)
+        head = self.finetune.train_head
+        for name in ("final_norm", "lm_head"):
+            (trainable if head else frozen)[name] = getattr(tree, name)
+            (frozen if head else trainable)[name] = None
+        return trainable, frozen
+
     def trainable_specs(self):
         """Spec tree of the trainable params (what the optimizer and the checkpoint see)."""
         full = param_specs(self.model)
@@ -64,37 +91,14 @@ class Partition:
                 name: lora_specs(lora, self.model, n, name == "moe_blocks")
                 for name, (_, n) in _stack_sizes(self.model).items()
             }
-        out: dict[str, Any] = {}
-        for name, (_, n) in _stack_sizes(self.model).items():
-            cut, stack = self._cut(name), getattr(full, name)
-            out[name] = (
-                None
-                if stack is None or cut == n
-                else map_specs(lambda s, cut=cut: replace(s, shape=(s.shape[0] - cut, *s.shape[1:])), stack)
-            )
-        head = self.finetune.train_head
-        out["final_norm"] = full.final_norm if head else None
-        out["lm_head"] = full.lm_head if head else None
-        return out
+        return self._split_layers(full, _spec_rows)[0]
 
     def frozen_specs(self):
         """Spec tree of the frozen part (None for full training); mirrors `frozen(params)`."""
         if self.kind == "full":
             return None
         full = param_specs(self.model)
-        if self.kind == "lora":
-            return full
-        out: dict[str, Any] = {"embed": full.embed}
-        for name in _stack_sizes(self.model):
-            stack, cut = getattr(full, name), self._cut(name)
-            out[name] = (
-                None
-                if stack is None
-                else map_specs(lambda s, cut=cut: replace(s, shape=(cut, *s.shape[1:])), stack)
-            )
-        for name in ("final_norm", "lm_head"):
-            out[name] = None if self.finetune.train_head else getattr(full, name)
-        return out
+        return full if self.kind == "lora" else self._split_layers(full, _spec_rows)[1]
 
     def initial(self, params: TransformerParams, key: jax.Array, shardings=None):
         """The trainable tree to start from: the model's own params (or its last layers), or fresh
@@ -103,13 +107,7 @@ class Partition:
             return params
         if self.kind == "lora":
             return init_params(self.trainable_specs(), jax.random.fold_in(key, 1), shardings)
-        trainable = {}
-        for name in _stack_sizes(self.model):
-            stack, cut = getattr(params, name), self._cut(name)
-            n = 0 if stack is None else jax.tree.leaves(stack)[0].shape[0]
-            trainable[name] = None if cut == n else jax.tree.map(lambda a, cut=cut: a[cut:], stack)
-        for name in ("final_norm", "lm_head"):
-            trainable[name] = getattr(params, name) if self.finetune.train_head else None
+        trainable = self._split_layers(params, _array_rows)[0]
         if shardings is not None:  # slices of sharded arrays keep some layout; pin the intended one
             trainable = jax.device_put(trainable, shardings)
         return trainable
@@ -118,15 +116,7 @@ class Partition:
         """The part of `params` that does not train (None for full training)."""
         if self.kind == "full":
             return None
-        if self.kind == "lora":
-            return params
-        frozen = {"embed": params.embed}
-        for name in _stack_sizes(self.model):
-            stack, cut = getattr(params, name), self._cut(name)
-            frozen[name] = None if stack is None else jax.tree.map(lambda a, cut=cut: a[:cut], stack)
-        for name in ("final_norm", "lm_head"):
-            frozen[name] = None if self.finetune.train_head else getattr(params, name)
-        return frozen
+        return params if self.kind == "lora" else self._split_layers(params, _array_rows)[1]
 
     def merge(self, trainable, frozen) -> TransformerParams:
         """The model's params: frozen and trainable parts joined (adapters attached, not folded in)."""
