@@ -8,7 +8,6 @@ the same rows (and the run header records the files' and tokenizer's hashes).
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from shipyard.data.chat import (
     pick_template,
     read_conversations,
 )
+from shipyard.data.shards import file_sha256
 from shipyard.data.tokenizer import load_tokenizer, tokenizer_sha256
 from shipyard.errors import DataError
 
@@ -32,10 +32,6 @@ from shipyard.errors import DataError
 def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
     tok = load_tokenizer(tok_path)
     return ChatFormat(tok, pick_template(template, tok))
-
-
-def _sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_chat_data(cfg: Config) -> dict:
@@ -66,9 +62,9 @@ def load_chat_data(cfg: Config) -> dict:
 
     train = packed(chat.train, cfg.train.seed)
     validation = packed(chat.validation, None) if chat.validation is not None else None
-    inputs = {"chat_train": {"path": str(chat.train), "sha256": _sha256(chat.train)}}
+    inputs = {"chat_train": {"path": str(chat.train), "sha256": file_sha256(chat.train)}}
     if chat.validation is not None:
-        inputs["chat_validation"] = {"path": str(chat.validation), "sha256": _sha256(chat.validation)}
+        inputs["chat_validation"] = {"path": str(chat.validation), "sha256": file_sha256(chat.validation)}
     inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
     summary = (
         f"shipyard: chat data: {train.conversations} conversations ({fmt.template.name} template) in "

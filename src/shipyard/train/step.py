@@ -116,10 +116,9 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
 def _model_inputs(batch: dict, eos_id: int | None) -> dict:
     """Forward-pass keyword arguments for a batch: segment ids and positions when the batch
     carries them (packed chats), else segment ids from EOS positions (document masking)."""
-    inputs = batch["tokens"][:, :-1]
     if "segment_ids" in batch:
         return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
-    return {"segment_ids": segment_ids(inputs, eos_id)}
+    return {"segment_ids": segment_ids(batch["tokens"][:, :-1], eos_id)}
 
 
 def make_gradient_fn(
