@@ -83,10 +83,10 @@ def write_run(run_dir: Path) -> None:
 def shipyard_generator(run_dir: Path):
     import jax
 
-    from shipyard.generate import Generator
-    from shipyard.interop.hf import load_run_params
+    from shipyard.inference.generate import Generator
+    from shipyard.runs import load_model
 
-    cfg, _, params = load_run_params(run_dir)
+    cfg, _, params = load_model(run_dir)
     gen = Generator(jax.tree.map(jax.numpy.asarray, params), cfg.model)
     batch = prompts()
     return (lambda: gen(batch, NEW_TOKENS)), gen.tokens_per_call
@@ -174,12 +174,13 @@ def main() -> None:
         _worker(args.worker, args.path, args.rounds)
         return
 
-    from shipyard.interop.hf import export_hf
+    from shipyard.cli.main import main as shipyard
 
     with tempfile.TemporaryDirectory(prefix="shipyard-genbench-") as tmp:
         run_dir, hf_dir = Path(tmp) / "run", Path(tmp) / "hf"
         write_run(run_dir)
-        export_hf(run_dir, hf_dir)
+        if shipyard(["export", "hf", str(run_dir), str(hf_dir)]) != 0:
+            raise SystemExit("bench: export hf failed")
         sy = _spawn("shipyard", run_dir, args)
         tf = _spawn("transformers", hf_dir, args)
 

@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 
 QUIET = ["train.logging.progress=false", "train.logging.tensorboard=false"]
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from chat_fixtures import upper_task, write_chats, write_tokenizer
 
-from shipyard.cli import main
-from shipyard.data.chat import ChatFormat, pack, pick_template, read_conversations
+from shipyard.cli.main import main
+from shipyard.data.chat_format import ChatFormat, pack, pick_template, read_conversations
 from shipyard.data.tokenizer import load_tokenizer
 from shipyard.errors import DataError
 

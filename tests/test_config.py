@@ -4,7 +4,7 @@ import sys
 import pytest
 from pydantic import BaseModel
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.config import Config, load_config, preset_names, to_yaml
 from shipyard.errors import ConfigError
 from shipyard.model.transformer import num_params
@@ -106,7 +106,7 @@ def test_config_show_ends_with_exact_param_count_and_flops(capsys):
 
 def test_cli_bad_value_is_one_line_exit_2_no_traceback():
     proc = subprocess.run(
-        [sys.executable, "-m", "shipyard.cli", "config", "show", "tiny", "train.optimizer.lr=-0.1"],
+        [sys.executable, "-m", "shipyard.cli.main", "config", "show", "tiny", "train.optimizer.lr=-0.1"],
         capture_output=True,
         text=True,
     )

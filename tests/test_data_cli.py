@@ -5,7 +5,7 @@ import json
 import pytest
 from data_fixtures import mutate, prose, write_jsonl
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 
 
 def _inputs(tmp_path):

@@ -128,7 +128,7 @@ def test_multi_frame_zstd(tmp_path):
 
 
 def test_stdlib_corpus_documents(tmp_path, capsys):
-    from shipyard.cli import main
+    from shipyard.cli.main import main
     from shipyard.data.stdlib import split_of
 
     out = tmp_path / "stdlib"

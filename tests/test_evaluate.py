@@ -13,7 +13,7 @@ from shipyard.config import load_config
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train
 from shipyard.errors import DataError
-from shipyard.evaluate import cloze, loglikelihoods, multiple_choice, token_byte_lengths
+from shipyard.eval.evaluate import cloze, loglikelihoods, multiple_choice, token_byte_lengths
 from shipyard.model.transformer import logits
 
 

@@ -11,9 +11,9 @@ import pytest
 from chat_fixtures import train_sft, upper_task, write_chats, write_tokenizer
 from model_fixtures import noisy_params
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.config import FinetuneConfig, LoraConfig, load_config
-from shipyard.data.chat import ChatFormat, pack, pick_template
+from shipyard.data.chat_format import ChatFormat, pack, pick_template
 from shipyard.data.tokenizer import load_tokenizer
 from shipyard.model.transformer import logits
 from shipyard.train.checkpoint import restore
@@ -131,10 +131,10 @@ def test_lora_run_keeps_the_base_and_holds_only_adapters(chat_runs):
     assert adapters < model / 10
     assert 2 * adapters <= moments <= 2 * adapters + 16  # AdamW's two moments (+ counters): adapters only
     # the merged model: every tensor without an adapter is bitwise the base's, adapted ones moved
-    from shipyard.interop.hf import load_run_params
+    from shipyard.runs import load_model
 
-    _, _, merged = load_run_params(run)
-    _, _, original = load_run_params(base)
+    _, _, merged = load_model(run)
+    _, _, original = load_model(base)
     assert np.array_equal(merged.embed, original.embed) and np.array_equal(merged.lm_head, original.lm_head)
     assert np.array_equal(merged.blocks.attn_norm, original.blocks.attn_norm)
     assert not np.allclose(merged.blocks.wq, original.blocks.wq, atol=1e-7)
@@ -160,7 +160,7 @@ def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shipyard.interop.hf import load_run_params
+    from shipyard.runs import load_model
 
     root = chat_runs["root"]
     assert main(["export", "hf", str(chat_runs["base"]), str(root / "base-hf")]) == 0
@@ -172,7 +172,7 @@ def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
     )
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and len(config["target_modules"]) == 7
-    cfg, _, merged = load_run_params(chat_runs["lora"])
+    cfg, _, merged = load_model(chat_runs["lora"])
     ids = np.random.default_rng(0).integers(0, 263, (2, 20))
     ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
     hf = AutoModelForCausalLM.from_pretrained(root / "base-hf", dtype=torch.float32)
@@ -193,7 +193,7 @@ def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
 
 
 def test_last_layer_training_leaves_the_rest_bitwise(chat_runs):
-    from shipyard.interop.hf import load_run_params
+    from shipyard.runs import load_model
 
     root = chat_runs["root"]
     run = train_sft(
@@ -205,8 +205,8 @@ def test_last_layer_training_leaves_the_rest_bitwise(chat_runs):
         "train.finetune={train_last_layers: 1, train_head: false}",
         "train.steps=5",
     )
-    _, _, after = load_run_params(run)
-    _, _, before = load_run_params(chat_runs["base"])
+    _, _, after = load_model(run)
+    _, _, before = load_model(chat_runs["base"])
     assert np.array_equal(after.embed, before.embed) and np.array_equal(after.lm_head, before.lm_head)
     for name in ("wq", "w_up", "attn_norm"):
         a, b = getattr(after.blocks, name), getattr(before.blocks, name)
@@ -250,7 +250,7 @@ def test_chat_command_streams_replies_in_a_terminal(chat_runs):
     import subprocess
     import sys
 
-    from shipyard.chat import load_chat_model
+    from shipyard.inference.chat import load_chat_model
 
     run = chat_runs["lora"]
     model = load_chat_model(run)
@@ -265,7 +265,7 @@ def test_chat_command_streams_replies_in_a_terminal(chat_runs):
     cmd = [
         sys.executable,
         "-m",
-        "shipyard.cli",
+        "shipyard.cli.main",
         "chat",
         str(run),
         "--temperature",

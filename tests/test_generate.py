@@ -6,7 +6,7 @@ import pytest
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
-from shipyard.generate import Generator
+from shipyard.inference.generate import Generator
 from shipyard.model.transformer import logits
 
 
@@ -110,7 +110,7 @@ def test_generate_cli_on_a_run_trained_on_token_shards(tmp_path, capsys):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from data_fixtures import prose, write_jsonl
 
-    from shipyard.cli import main
+    from shipyard.cli.main import main
 
     docs = write_jsonl(tmp_path / "d.jsonl", [prose(s) for s in range(40)])
     assert (

@@ -9,7 +9,8 @@ import pytest
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
-from shipyard.generate import (
+from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.generate import (
     Generator,
     _cpu_decode_forward,
     _cpu_decode_supported,
@@ -17,7 +18,6 @@ from shipyard.generate import (
     _from_layer_caches,
     _to_layer_caches,
 )
-from shipyard.model.decode import forward_cached, init_cache
 
 PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 

@@ -142,8 +142,8 @@ def test_sharded_safetensors_with_index(tmp_path):
 
 
 def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_tokens, capsys):
-    from shipyard.cli import main
-    from shipyard.interop.hf import load_run_params
+    from shipyard.cli.main import main
+    from shipyard.runs import load_model
 
     run = tmp_path / "run"
     assert (
@@ -165,7 +165,7 @@ def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_toke
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "hf"), torch_dtype=torch.float32
     ).eval()
-    cfg, step, params = load_run_params(run)
+    cfg, step, params = load_model(run)
     with torch.no_grad():
         theirs = model(torch.from_numpy(_tokens())).logits.numpy()
     np.testing.assert_allclose(
@@ -191,7 +191,7 @@ def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_toke
     ]
     assert main(argv) == 0
     assert "starting from the params" in capsys.readouterr().out
-    _, _, again = load_run_params(cont)
+    _, _, again = load_model(cont)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
         np.testing.assert_allclose(a, b, atol=1e-6)
 

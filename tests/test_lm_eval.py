@@ -31,8 +31,8 @@ from shipyard.config import load_config, to_yaml  # noqa: E402
 from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig  # noqa: E402
 from shipyard.data.tokenize import run_tokenize  # noqa: E402
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train  # noqa: E402
-from shipyard.evaluate import loglikelihoods, multiple_choice  # noqa: E402
-from shipyard.generate import Generator  # noqa: E402
+from shipyard.eval.evaluate import loglikelihoods, multiple_choice  # noqa: E402
+from shipyard.inference.generate import Generator  # noqa: E402
 from shipyard.model.transformer import logits  # noqa: E402
 
 # Contexts end without a space and choices start with one (the usual lm-eval split); ASCII, so lm-eval's
@@ -330,7 +330,7 @@ def test_shipyard_imports_without_lm_eval():
     code = (
         "import sys\n"
         "sys.modules['lm_eval'] = None  # as if not installed\n"
-        "import shipyard, shipyard.cli, shipyard.evaluate, shipyard.generate, shipyard.interop.hf\n"
+        "import shipyard, shipyard.cli.main, shipyard.eval.evaluate, shipyard.inference.generate, shipyard.interop.hf\n"
         "try:\n"
         "    import shipyard.lm_eval_adapter\n"
         "except ImportError as e:\n"

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 from model_fixtures import noisy_params
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.config import load_config
-from shipyard.generate import Generator
+from shipyard.inference.generate import Generator
 from shipyard.model.layers import swiglu
 from shipyard.model.moe import capacity, moe_mlp, route
 from shipyard.model.params import init_params, param_shardings

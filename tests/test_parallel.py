@@ -117,7 +117,7 @@ def test_distributed_settings_from_config_and_environment(monkeypatch):
 
 def _launch(tmp_path, *args, devices_per_process=4):
     env = dict(os.environ, SHIPYARD_NO_REEXEC="1")
-    argv = [sys.executable, "-m", "shipyard.cli", "launch", *args]
+    argv = [sys.executable, "-m", "shipyard.cli.main", "launch", *args]
     if devices_per_process:
         argv += ["--devices-per-process", str(devices_per_process)]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.errors import ConfigError
 from shipyard.pipeline.executor import load_pipeline, plan_pipeline, run_pipeline
 

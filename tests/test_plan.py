@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.config import load_config
 from shipyard.errors import ConfigError
 from shipyard.model.transformer import num_active_params, num_params

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 from shipyard.config import CheckpointConfig, load_config
 from shipyard.model.params import param_shardings
 from shipyard.model.transformer import param_specs
@@ -135,7 +135,7 @@ def _cli(run_dir, tokens, *extra):
     argv = [
         sys.executable,
         "-m",
-        "shipyard.cli",
+        "shipyard.cli.main",
         "train",
         "tiny",
         f"data.train_tokens={tokens}",

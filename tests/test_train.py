@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import yaml
 
-from shipyard.cli import main
+from shipyard.cli.main import main
 
 
 def _metrics(run_dir):

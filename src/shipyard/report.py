@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from shipyard.errors import RunDirError
-from shipyard.train.rundir import write_atomic
+from shipyard.output import write_atomic
 
 PANELS = (
     ("loss", "train loss (nats/token)"),

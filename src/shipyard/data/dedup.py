@@ -39,9 +39,9 @@ from shipyard.data.stage import (
     plan,
     run_units,
     stage_output,
-    write_json,
 )
 from shipyard.errors import DataError
+from shipyard.output import write_json
 
 EMPTY = np.uint32(0xFFFFFFFF)  # the signature value of a document without words
 

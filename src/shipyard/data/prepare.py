@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shipyard.data.configs import PrepareConfig
-from shipyard.data.stage import config_record, default_workers, write_json
+from shipyard.data.stage import config_record, default_workers
 from shipyard.errors import DataError
+from shipyard.output import write_json
 
 
 def _status(out: Path, inputs: list[str], record: dict) -> str:

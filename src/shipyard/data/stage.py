@@ -25,16 +25,11 @@ import contextlib
 import json
 import multiprocessing
 import os
-import shutil
-import sys
-import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
 
 from shipyard.data.documents import (
     Document,
@@ -46,6 +41,7 @@ from shipyard.data.documents import (
     read_unit,
 )
 from shipyard.errors import DataError
+from shipyard.output import atomic_dir, progress, write_json
 
 BATCH_DOCS = 256
 BATCH_BYTES = 4 << 20
@@ -108,20 +104,15 @@ class StageStats:
 
 @contextlib.contextmanager
 def stage_output(out: Path, overwrite: bool, stage: str) -> Iterator[Path]:
-    """Yield a temporary directory that becomes `out` when the block completes without error."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise DataError(f"data {stage}: {out} already exists; pass --overwrite or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    """`output.atomic_dir` for data stage `stage`: an existing `out` is a data error unless --overwrite."""
+    with atomic_dir(
+        out,
+        f"data {stage}",
+        overwrite=overwrite,
+        hint="pass --overwrite or choose another --out",
+        error=DataError,
+    ) as tmp:
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def config_record(read, **sections) -> dict:
@@ -132,12 +123,6 @@ def config_record(read, **sections) -> dict:
     }
     out["read"] = read.model_dump(mode="json")
     return out
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 class DocWriter:
@@ -224,18 +209,9 @@ def _context():
     return ctx
 
 
-def progress(stage: str, total_bytes: int) -> tqdm:
-    """A bar over input bytes (rate in MB/s, ETA), shown when stderr is a terminal."""
-    return tqdm(
-        total=total_bytes,
-        desc=stage,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1000,
-        dynamic_ncols=True,
-        disable=None if sys.stderr.isatty() else True,
-        mininterval=0.5,
-    )
+def progress_bytes(stage: str, total_bytes: int):
+    """A bar over input bytes (rate in MB/s, ETA)."""
+    return progress(desc=stage, unit="B", total=total_bytes, unit_scale=True, unit_divisor=1000)
 
 
 def plan(inputs: list[str]) -> list[Unit]:
@@ -257,7 +233,7 @@ def run_units(
     initargs: tuple = (),
 ) -> Iterator:
     """fn over per-unit items with a progress bar advanced by each unit's input size."""
-    with progress(stage, sum(u.size for u in units)) as bar:
+    with progress_bytes(stage, sum(u.size for u in units)) as bar:
         for unit, result in zip(units, pool_map(fn, items, workers, initializer, initargs)):
             bar.update(unit.size)
             yield result

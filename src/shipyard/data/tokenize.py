@@ -20,7 +20,7 @@ from shipyard import __version__
 from shipyard.data.configs import ReadConfig, TokenizeConfig
 from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
-from shipyard.data.stage import StageStats, batches, config_record, plan, run_units, stage_output, write_json
+from shipyard.data.stage import StageStats, batches, config_record, plan, run_units, stage_output
 from shipyard.data.tokenizer import (
     TOKENIZER_FILE,
     load_tokenizer,
@@ -29,6 +29,7 @@ from shipyard.data.tokenizer import (
     tokenizer_sha256,
 )
 from shipyard.errors import DataError
+from shipyard.output import write_json
 
 # Set once per worker process by the pool initializer (a worker serves one stage).
 _STATE: dict = {}

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
 from shipyard.data.documents import Document, check_bad_fraction, read_unit
-from shipyard.data.stage import StageStats, config_record, plan, progress, stage_output, write_json
+from shipyard.data.stage import StageStats, config_record, plan, progress_bytes, stage_output
 from shipyard.errors import DataError
+from shipyard.output import write_json
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -165,7 +166,7 @@ def run_tokenizer_train(
         tok, trainer = new_bpe(cfg)
         docs = (d for u in units for d in read_unit(u, stats.read, read.text_field))
         # the bar counts text bytes read, against the input's size on disk (about equal for plain jsonl)
-        with progress("tokenizer-train", sum(u.size for u in units)) as bar:
+        with progress_bytes("tokenizer-train", sum(u.size for u in units)) as bar:
             tok.train_from_iterator(sample_texts(docs, cfg, stats, bar), trainer)
         check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenizer-train")
         if stats.documents_out == 0:

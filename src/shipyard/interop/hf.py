@@ -410,99 +410,27 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-# ----------------------------------------------------------------------------- run directories
+# ----------------------------------------------------------------------------- directories
 
 
-def run_checkpoint(run_dir: Path, step: int | None = None, what: str = "export"):
-    """(config, step) of a run directory's checkpoint `step` (default: the newest), or a RunDirError
-    naming what is missing, prefixed with `what` (the command)."""
-    from shipyard.config import load_config
-    from shipyard.errors import RunDirError
-    from shipyard.train.checkpoint import available_steps, checkpoint_dir
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"{what}: {run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(str(run_dir / "config.yaml"))
-    steps = available_steps(checkpoint_dir(run_dir))
-    if not steps:
-        raise RunDirError(f"{what}: {run_dir} has no complete checkpoint")
-    if step is None:
-        return cfg, steps[0]
-    if step not in steps:
-        raise RunDirError(
-            f"{what}: {run_dir} has no checkpoint {step} (available: {', '.join(map(str, steps))})"
-        )
-    return cfg, step
-
-
-def load_run_params(run_dir: Path, step: int | None = None, to_host: bool = True):
-    """(config, step, params) from a run's checkpoint: only the params (partial restore), sharded over
-    the local devices (fsdp over all of them when it divides); with `to_host` copied to host numpy one
-    array at a time, else left as those sharded device arrays.
-
-    A fine-tuning run's checkpoint holds only what trained (adapters, last layers): the frozen
-    rest is re-read from its train.init_from (or seeded init) and the two are merged, LoRA
-    folded into the weights, so callers always get plain model params.
-    """
-    import jax
-
-    from shipyard.config import MeshConfig
-    from shipyard.model.params import abstract_params, param_shardings
-    from shipyard.model.transformer import param_specs
-    from shipyard.parallel.mesh import make_mesh, rules_for
-    from shipyard.train.checkpoint import checkpoint_dir, restore_params
-    from shipyard.train.finetune import Partition
-
-    run_dir = Path(run_dir)
-    cfg, step = run_checkpoint(run_dir, step)
-    devices = jax.local_devices()
-    n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
-    mesh_cfg = MeshConfig(data=1, fsdp=n)
-    mesh = make_mesh(mesh_cfg, devices[:n])
-    rules = rules_for(mesh_cfg)
-    partition = Partition(cfg.model, cfg.train.finetune)
-    specs = partition.trainable_specs()
-    params = restore_params(
-        checkpoint_dir(run_dir), step, abstract_params(specs, param_shardings(specs, mesh, rules))
-    )
-    if partition.kind != "full":
-        full = param_specs(cfg.model)
-        base = base_params(cfg, full, param_shardings(full, mesh, rules))
-        params = jax.jit(partition.merged_for_export)(params, partition.frozen(base))
-    if not to_host:
-        return cfg, step, params
-    return cfg, step, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
-
-
-def base_params(cfg, specs, shardings):
-    """The params a run starts from: train.init_from, else the seeded random init."""
-    import jax
-
-    from shipyard.model.params import init_params
-
-    if cfg.train.init_from is not None:
-        return load_init_params(cfg.train.init_from, specs, shardings)
-    return init_params(specs, jax.random.key(cfg.train.seed), shardings)
-
-
-def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = 5 << 30) -> dict:
-    """Write a transformers-loadable Llama (or Mixtral) directory for a run's checkpoint (atomically)."""
+def write_hf_dir(
+    params, cfg: ModelConfig, out: Path, tokenizer_dir: Path | None, max_shard_bytes: int = 5 << 30
+) -> list[str]:
+    """Write a transformers-loadable Llama (or Mixtral, Qwen2, Mistral) directory, atomically: the
+    safetensors shards, config.json, generation_config.json and the tokenizer files. `params` may be
+    sharded device arrays: tensors reach the host one at a time. Returns the safetensors file names."""
     import shutil
 
-    from shipyard.data.stage import stage_output
+    from shipyard.output import atomic_dir
 
-    # Params stay sharded on the local devices; tensors reach the host one at a time.
-    cfg, step, params = load_run_params(run_dir, step, to_host=False)
-    tokenizer_dir = _tokenizer_of(cfg, run_dir)
     ids = {}
     if tokenizer_dir is not None:
         from shipyard.data.tokenizer import load_tokenizer, special_token_ids
 
         ids = special_token_ids(tokenizer_dir, load_tokenizer(tokenizer_dir))
-    with stage_output(Path(out), overwrite=False, stage="export hf") as tmp:
-        files = write_safetensors(iter_hf_tensors(params, cfg.model), tmp, max_shard_bytes)
-        config = hf_config(cfg.model, ids.get("bos_token"), ids.get("eos_token"))
+    with atomic_dir(Path(out), "export hf") as tmp:
+        files = write_safetensors(iter_hf_tensors(params, cfg), tmp, max_shard_bytes)
+        config = hf_config(cfg, ids.get("bos_token"), ids.get("eos_token"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {
             "bos_token_id": ids.get("bos_token"),
@@ -514,21 +442,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if (tokenizer_dir / name).is_file():
                     shutil.copy(tokenizer_dir / name, tmp / name)
-    return {"step": step, "files": files, "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
-
-
-def _tokenizer_of(cfg, run_dir: Path | None = None) -> Path | None:
-    """The run's tokenizer: <run>/tokenizer (chat fine-tuning runs copy theirs there), else the one
-    in the run's (first) token-shard directory, if any."""
-    if run_dir is not None and (Path(run_dir) / "tokenizer" / "tokenizer.json").is_file():
-        return Path(run_dir) / "tokenizer"
-    if cfg.data.chat is not None and cfg.data.chat.tokenizer is not None:
-        return Path(cfg.data.chat.tokenizer)
-    paths, _ = cfg.data.sources()
-    for p in paths:
-        if (Path(p) / "tokenizer.json").is_file():
-            return Path(p)
-    return None
+    return files
 
 
 def import_hf(hf_dir: Path, out: Path) -> dict:
@@ -538,7 +452,7 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
     import orbax.checkpoint as ocp
     import yaml
 
-    from shipyard.data.stage import stage_output
+    from shipyard.output import atomic_dir
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
@@ -551,7 +465,7 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
     model = model_config_from_hf(config, str(config_path))
     params = from_hf_tensors(read_safetensors(hf_dir), model, str(hf_dir))
     out = Path(out)
-    with stage_output(out, overwrite=False, stage="import hf") as tmp:
+    with atomic_dir(out, "import hf") as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save((tmp / "params").absolute(), params)
         run_config = {
@@ -565,41 +479,3 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
             if (hf_dir / name).is_file():
                 shutil.copy(hf_dir / name, tmp / name)
     return {"params": str(out / "params"), "config": str(out / "config.yaml"), "model": model}
-
-
-def load_init_params(path: str | Path, specs, shardings):
-    """Params to start from, restored onto `shardings`: a params-only Orbax tree (what `import hf`
-    writes to OUT/params; OUT itself works too) or a run directory (its newest checkpoint; a
-    fine-tuning run gives its merged params)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from shipyard.errors import ConfigError
-    from shipyard.model.params import abstract_params
-
-    path = Path(path).absolute()
-    if not path.is_dir():
-        raise ConfigError(
-            f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
-        )
-    target = abstract_params(specs, shardings)
-    shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
-    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
-        _, _, params = load_run_params(path, to_host=False)
-        got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-        if got != shapes:
-            raise ConfigError(
-                f"train.init_from: the run {path} holds a different model (e.g. embed {got.get('.embed')}, "
-                f"expected {shapes.get('.embed')}); use the base run's model config"
-            )
-        return jax.device_put(params, shardings)
-    if (path / "params").is_dir():  # the `import hf` output directory itself
-        path = path / "params"
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore(path, target)
-    except (ValueError, KeyError) as e:
-        raise ConfigError(
-            f"train.init_from: {path} does not hold params of this model ({str(e).splitlines()[0][:160]}); "
-            f"expected e.g. embed {shapes.get('.embed')}"
-        ) from e

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.errors import RunDirError
-
 _MODULES = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -26,28 +24,6 @@ _MODULES = {
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
 }
-
-
-def load_run_adapters(run_dir: Path, step: int | None = None):
-    """(config, step, {stack: {"a": {...}, "b": {...}} or None}) of a LoRA run, as host numpy."""
-    import jax
-
-    from shipyard.interop.hf import run_checkpoint
-    from shipyard.model.params import abstract_params
-    from shipyard.train.checkpoint import checkpoint_dir, restore_params
-    from shipyard.train.finetune import Partition
-
-    run_dir = Path(run_dir)
-    cfg, step = run_checkpoint(run_dir, step, "export peft")
-    partition = Partition(cfg.model, cfg.train.finetune)
-    if partition.kind != "lora":
-        raise RunDirError(
-            f"export peft: {run_dir} did not train LoRA adapters (train.finetune.lora is not set); "
-            "use `shipyard export hf` for its full weights"
-        )
-    specs = partition.trainable_specs()
-    adapters = restore_params(checkpoint_dir(run_dir), step, abstract_params(specs))
-    return cfg, step, jax.tree.map(np.asarray, adapters)
 
 
 def peft_tensors(cfg, adapters) -> dict[str, np.ndarray]:
@@ -67,14 +43,13 @@ def peft_tensors(cfg, adapters) -> dict[str, np.ndarray]:
     return out
 
 
-def export_peft(run_dir: Path, out: Path, step: int | None = None, base: str | None = None) -> dict:
-    """Write the run's adapters as a PEFT LoRA directory (atomically); `base` is recorded as
-    base_model_name_or_path (the exported base model's directory or hub name)."""
+def write_peft_dir(cfg, adapters, out: Path, base: str | None = None) -> dict:
+    """Write a LoRA run's adapters (host arrays) as a PEFT LoRA directory, atomically; `base` is
+    recorded as base_model_name_or_path (the exported base model's directory or hub name)."""
     from safetensors.numpy import save_file
 
-    from shipyard.data.stage import stage_output
+    from shipyard.output import atomic_dir
 
-    cfg, step, adapters = load_run_adapters(run_dir, step)
     lora = cfg.train.finetune.lora
     tensors = peft_tensors(cfg, adapters)
     modules = sorted({_MODULES[t].split(".")[-1] for t in lora.targets})
@@ -95,7 +70,7 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None, base: str | N
         "modules_to_save": None,
         "layers_to_transform": None,
     }
-    with stage_output(Path(out), overwrite=False, stage="export peft") as tmp:
+    with atomic_dir(Path(out), "export peft") as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {"step": step, "tensors": len(tensors), "targets": modules}
+    return {"tensors": len(tensors), "targets": modules}

@@ -36,8 +36,9 @@ from pydantic import Field, ValidationError
 
 from shipyard.config import Schema, format_validation_error, read_yaml
 from shipyard.errors import ConfigError, DataError
+from shipyard.output import write_atomic
 from shipyard.pipeline.steps import STEPS, digest, validate
-from shipyard.train.rundir import git_commit, package_versions, write_atomic
+from shipyard.train.rundir import git_commit, package_versions
 
 MARKER = "_SUCCESS"
 

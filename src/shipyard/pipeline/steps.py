@@ -104,7 +104,7 @@ def unigram_bits_per_byte(train_tokens: Path, heldout_tokens: Path, tokenizer_di
     tokens, scored on the held-out tokens, in bits per UTF-8 byte."""
     from shipyard.data.shards import open_shards
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.evaluate import token_byte_lengths
+    from shipyard.eval.evaluate import token_byte_lengths
 
     counts = np.ones(vocab, np.float64)
     for shard in open_shards(train_tokens)[1]:
@@ -128,13 +128,13 @@ def unigram_bits_per_byte(train_tokens: Path, heldout_tokens: Path, tokenizer_di
 def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     """Held-out loss / bits-per-byte of the run next to the unigram baseline of its training tokens."""
     from shipyard.config import load_config
-    from shipyard.evaluate import run_eval
-    from shipyard.interop.hf import _tokenizer_of
+    from shipyard.eval.evaluate import run_eval
+    from shipyard.runs import tokenizer_of
 
     run, heldout = _need("eval", inputs, "run", "tokens")
     report = run_eval(run, {"heldout": str(heldout)}, [], max_sequences=int(config.get("max_sequences", 64)))
     cfg = load_config(str(run / "config.yaml"))
-    tok_dir = _tokenizer_of(cfg)
+    tok_dir = tokenizer_of(cfg)
     if tok_dir is not None and cfg.data.train_tokens is not None:
         base = unigram_bits_per_byte(Path(cfg.data.train_tokens), heldout, tok_dir, cfg.model.vocab_size)
         report["unigram_baseline"] = base
@@ -146,10 +146,15 @@ def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
 
 def _export_hf(out: Path, inputs: dict[str, Path], config: dict) -> dict:
-    from shipyard.interop.hf import export_hf
+    from shipyard.interop.hf import write_hf_dir
+    from shipyard.runs import open_model_dir
 
     (run,) = _need("export-hf", inputs, "run")
-    return export_hf(run, out)
+    model_dir = open_model_dir(run, "export-hf")
+    weights = model_dir.load(to_host=False, what="export-hf")
+    tok_dir = model_dir.tokenizer()
+    files = write_hf_dir(weights.params, weights.config.model, out, tok_dir)
+    return {"step": weights.step, "files": files, "tokenizer": str(tok_dir) if tok_dir else None}
 
 
 def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
@@ -157,12 +162,13 @@ def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     import jax.numpy as jnp
 
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.generate import Generator
-    from shipyard.interop.hf import _tokenizer_of, load_run_params
+    from shipyard.inference.generate import Generator
+    from shipyard.runs import open_model_dir
 
     (run,) = _need("generate", inputs, "run")
-    cfg, step, params = load_run_params(run)
-    tok = load_tokenizer(_tokenizer_of(cfg))
+    model_dir = open_model_dir(run, "generate")
+    cfg, step, params = model_dir.load(what="generate")
+    tok = load_tokenizer(model_dir.require_tokenizer("generate"))
     prompt = str(config.get("prompt", "def "))
     ids = tok.encode(prompt).ids
     generator = Generator(jax.tree.map(jnp.asarray, params), cfg.model)
@@ -276,9 +282,9 @@ def _file_digest(paths: list[Path], root: Path) -> str:
 def digest(kind: str, out: Path) -> dict[str, str]:
     """{artifact: sha256} of what a finished step produced (see the module doc)."""
     if kind == "train":
-        from shipyard.interop.hf import load_run_params
+        from shipyard.runs import open_model_dir
 
-        _, step, params = load_run_params(out)
+        _, step, params = open_model_dir(out, "digest").load(what="digest")
         import jax
 
         h = hashlib.sha256()

@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -20,21 +19,10 @@ import shipyard
 from shipyard import cpu_tuning
 from shipyard.config import Config, to_yaml
 from shipyard.errors import RunDirError
+from shipyard.output import write_atomic
 
 RUN_FILES = ("config.yaml", "provenance.json", "metrics.jsonl")
 _PACKAGES = ("jax", "jaxlib", "optax", "numpy", "pydantic", "pyyaml")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:

@@ -9,16 +9,12 @@ the same rows (and the run header records the files' and tokenizer's hashes).
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from shipyard.config import Config
-from shipyard.data.chat import (
+from shipyard.data.chat_format import (
     ChatBatchLoader,
     ChatFormat,
-    chat_tokenizer_path,
     pack,
     pad_id_of,
     pick_template,
@@ -27,6 +23,8 @@ from shipyard.data.chat import (
 from shipyard.data.shards import file_sha256
 from shipyard.data.tokenizer import load_tokenizer, tokenizer_sha256
 from shipyard.errors import DataError
+from shipyard.output import progress
+from shipyard.runs import chat_tokenizer_path
 
 
 def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
@@ -49,14 +47,7 @@ def load_chat_data(cfg: Config) -> dict:
 
     def packed(path: str, seed: int | None):
         conversations = read_conversations(path)
-        bar = tqdm(
-            conversations,
-            desc=f"render {Path(path).name}",
-            unit="conv",
-            dynamic_ncols=True,
-            mininterval=0.5,
-            disable=None if sys.stderr.isatty() else True,
-        )
+        bar = progress(conversations, desc=f"render {Path(path).name}", unit="conv")
         rendered = [fmt.render(messages) for messages in bar]
         return pack(rendered, seq_len, pad, seed, chat.pack)
 

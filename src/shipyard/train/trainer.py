@@ -15,14 +15,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from shipyard.config import Config, to_yaml
-from shipyard.data.chat import BATCH_KEYS
+from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
 from shipyard.data.tokens import tokens_sha256
 from shipyard.errors import ConfigError, TrainingDiverged
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
+from shipyard.output import write_atomic
 from shipyard.parallel import distributed
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+from shipyard.runs import base_params
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.finetune import Partition
 from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
@@ -32,7 +34,6 @@ from shipyard.train.rundir import (
     prepare_run_dir,
     record_resume,
     truncate_metrics,
-    write_atomic,
     write_run_header,
 )
 from shipyard.train.sft_data import copy_tokenizer, load_chat_data
@@ -203,8 +204,6 @@ def _train(
     frozen = None
     if partition.kind != "full" or not resuming:
         # The frozen part is never checkpointed: it is re-read from init_from (or the seeded init).
-        from shipyard.interop.hf import base_params
-
         if cfg.train.init_from is not None:
             say(f"shipyard: starting from the params in {cfg.train.init_from}")
         base = base_params(cfg, full_specs, param_shardings(full_specs, mesh, rules))

@@ -267,32 +267,6 @@ def pack(
     )
 
 
-def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Path:
-    """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
-    (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
-    if chat_tokenizer is not None:
-        return Path(chat_tokenizer)
-    if init_from is None:
-        raise DataError(
-            "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
-        )
-    base = Path(init_from)
-    for candidate in (base, base.parent, base / "tokenizer"):
-        if (candidate / "tokenizer.json").is_file():
-            return candidate
-    if (base / "config.yaml").is_file():
-        from shipyard.config import load_config
-        from shipyard.interop.hf import _tokenizer_of
-
-        found = _tokenizer_of(load_config(str(base / "config.yaml")), base)
-        if found is not None:
-            return found
-    raise DataError(
-        f"data.chat.tokenizer: not set and no tokenizer.json found with train.init_from={init_from}; "
-        "set data.chat.tokenizer to the base model's tokenizer.json"
-    )
-
-
 def pad_id_of(tok_path: Path, tok) -> int:
     from shipyard.data.tokenizer import special_token_ids
 

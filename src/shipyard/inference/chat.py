@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shipyard.data.chat import ChatFormat, read_conversations
+from shipyard.data.chat_format import ChatFormat, read_conversations
 from shipyard.errors import DataError
 
 
@@ -72,7 +72,7 @@ def chat_model(cfg, params, tok_dir: Path, template: str | None = None) -> ChatM
     import jax
     import jax.numpy as jnp
 
-    from shipyard.generate import Generator
+    from shipyard.inference.generate import Generator
     from shipyard.train.sft_data import chat_format_for
 
     if template is None:
@@ -83,13 +83,11 @@ def chat_model(cfg, params, tok_dir: Path, template: str | None = None) -> ChatM
 
 def load_chat_model(run_dir: str | Path, step: int | None = None, template: str | None = None) -> ChatModel:
     """The run's newest (or `step`) checkpoint as a ChatModel (fine-tuning runs merged with their base)."""
-    from shipyard.interop.hf import _tokenizer_of, load_run_params
+    from shipyard.runs import open_model_dir
 
-    cfg, _, params = load_run_params(Path(run_dir), step)
-    tok_dir = _tokenizer_of(cfg, Path(run_dir))
-    if tok_dir is None:
-        raise DataError(f"chat: no tokenizer found for {run_dir} (expected <run>/tokenizer or token shards)")
-    return chat_model(cfg, params, tok_dir, template)
+    model_dir = open_model_dir(run_dir, "chat")
+    cfg, _, params = model_dir.load(step, what="chat")
+    return chat_model(cfg, params, model_dir.require_tokenizer("chat"), template)
 
 
 class TextStream:
@@ -129,16 +127,10 @@ def exact_match(model: ChatModel, path: str | Path, batch: int = 32, max_new_tok
             items.append((messages[:last], messages[last]["content"]))
     if not items:
         raise DataError(f"chat eval: {path} has no conversation with an assistant reply")
-    from tqdm import tqdm
+    from shipyard.output import progress
 
     hits, examples = 0, []
-    bar = tqdm(
-        total=len(items),
-        desc=f"chat eval {Path(path).name}",
-        unit="conv",
-        dynamic_ncols=True,
-        disable=None if sys.stderr.isatty() else True,
-    )
+    bar = progress(total=len(items), desc=f"chat eval {Path(path).name}", unit="conv")
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
         outs = model.replies([c for c, _ in chunk], max_new_tokens)

@@ -180,10 +180,11 @@ def run_eval(
     step: int | None = None,
 ) -> dict:
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.interop.hf import _tokenizer_of, load_run_params
+    from shipyard.runs import open_model_dir
 
-    cfg, step, params = load_run_params(run_dir, step)
-    tok_dir = _tokenizer_of(cfg, run_dir)
+    model_dir = open_model_dir(run_dir, "eval")
+    cfg, step, params = model_dir.load(step, what="eval")
+    tok_dir = model_dir.tokenizer()
     tok = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tasks and tok is None:
         raise DataError(f"eval: tasks need a tokenizer, and none sits next to the training data of {run_dir}")
@@ -194,7 +195,7 @@ def run_eval(
     for kind, path in tasks:
         name = f"{kind}:{Path(path).stem}"
         if kind == "chat":  # greedy replies vs references, with the run's chat template
-            from shipyard.chat import chat_model, exact_match
+            from shipyard.inference.chat import chat_model, exact_match
 
             report["tasks"][name] = exact_match(chat_model(cfg, params, tok_dir), path)
             continue

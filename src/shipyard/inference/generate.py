@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.config import ModelConfig
+from shipyard.inference.decode import KVCache, forward_cached, init_cache
 from shipyard.model import layers
-from shipyard.model.decode import KVCache, forward_cached, init_cache
 from shipyard.model.transformer import output_weights
 
 

@@ -1,0 +1,192 @@
+"""shipyard data: the data stages one at a time, the whole chain (`prepare`), shard verification."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shipyard.cli.args import Parser
+
+
+def _cmd_data_bytes(args) -> int:
+    from shipyard.data.bytecorpus import write_byte_tokens
+
+    stats = write_byte_tokens(args.out, split=args.split, max_bytes=args.max_bytes)
+    print(
+        f"wrote {stats['tokens']:,} byte tokens from {stats['files']} stdlib files ({args.split}) to {args.out}"
+    )
+    return 0
+
+
+def _cmd_data_stdlib(args) -> int:
+    from shipyard.data.stdlib import write_stdlib_documents
+
+    stats = write_stdlib_documents(args.out, overwrite=args.overwrite)
+    train, val = stats["train"], stats["validation"]
+    print(
+        f"wrote {train['documents']} train and {val['documents']} validation documents "
+        f"({(train['bytes'] + val['bytes']) / 1e6:.1f} MB) to {args.out}"
+    )
+    return 0
+
+
+def _stage_common(args, schema, section: str | None = None):
+    """(stage config, read config, workers) from --config / --set / flags."""
+    from shipyard.data.configs import ReadConfig, build_schema, load_stage_config
+    from shipyard.data.stage import default_workers
+
+    cfg = load_stage_config(schema, args.config, args.set, f"data {args.data_command}")
+    read = build_schema(
+        ReadConfig,
+        {"text_field": args.text_field, "max_bad_fraction": args.max_bad_fraction},
+        f"data {args.data_command}",
+    )
+    return cfg, read, getattr(args, "workers", None) or default_workers()
+
+
+def _report_stage(args, stats: dict) -> int:
+    from shipyard.data.prepare import describe
+
+    print(f"{args.data_command}: {describe(stats)}")
+    print(f"wrote {args.out} (stats in {args.out / 'stats.json'})")
+    return 0
+
+
+def _cmd_data_stage(args) -> int:
+    from shipyard.data import configs
+
+    if args.data_command == "extract":
+        from shipyard.data.extract import run_extract as run
+
+        cfg, read, workers = _stage_common(args, configs.ExtractConfig)
+    elif args.data_command == "filter":
+        from shipyard.data.filters import run_filter as run
+
+        cfg, read, workers = _stage_common(args, configs.FilterConfig)
+    elif args.data_command == "dedup":
+        from shipyard.data.dedup import run_dedup as run
+
+        cfg, read, workers = _stage_common(args, configs.DedupConfig)
+    elif args.data_command == "decontaminate":
+        from shipyard.data.decontaminate import run_decontaminate as run
+
+        cfg, read, workers = _stage_common(args, configs.DecontaminateConfig)
+        if args.eval:
+            cfg = cfg.model_copy(update={"eval_sets": (*cfg.eval_sets, *map(str, args.eval))})
+    else:
+        raise AssertionError(args.data_command)
+    return _report_stage(args, run(args.inputs, args.out, cfg, read, workers, args.overwrite))
+
+
+def _cmd_data_tokenizer_train(args) -> int:
+    from shipyard.data.configs import TokenizerTrainConfig
+    from shipyard.data.tokenizer import run_tokenizer_train
+
+    cfg, read, _ = _stage_common(args, TokenizerTrainConfig)
+    return _report_stage(args, run_tokenizer_train(args.inputs, args.out, cfg, read, args.overwrite))
+
+
+def _cmd_data_tokenize(args) -> int:
+    from shipyard.data.configs import TokenizeConfig
+    from shipyard.data.tokenize import run_tokenize
+
+    cfg, read, workers = _stage_common(args, TokenizeConfig)
+    return _report_stage(
+        args, run_tokenize(args.inputs, args.out, args.tokenizer, cfg, read, workers, args.overwrite)
+    )
+
+
+def _cmd_data_prepare(args) -> int:
+    from shipyard.data.configs import load_prepare_config
+    from shipyard.data.prepare import run_prepare
+
+    cfg = load_prepare_config(args.config, args.set)
+    summary = run_prepare(cfg, overwrite=args.overwrite)
+    print(f"train shards: {summary['train_shards']}")
+    if "validation_shards" in summary:
+        print(f"validation shards: {summary['validation_shards']}")
+    print(f"tokenizer: {summary['tokenizer']}")
+    print(f"summary: {Path(cfg.out) / 'prepare.json'} ({summary['seconds']:.1f} s)")
+    return 0
+
+
+def _cmd_data_verify(args) -> int:
+    from shipyard.data.shards import verify_shards
+
+    manifest = verify_shards(args.shards)
+    print(
+        f"ok: {len(manifest['shards'])} shard(s), {manifest['tokens']:,} tokens, "
+        f"{manifest['documents']:,} documents match {args.shards / 'manifest.json'}"
+    )
+    return 0
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    data = sub.add_parser("data", help="prepare data")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
+    by = data_sub.add_parser("bytes", help="write the stdlib corpus as byte-level tokens (.npy)")
+    by.add_argument("--out", type=Path, required=True, help="output .npy path")
+    by.add_argument("--split", choices=("train", "validation"), default="train")
+    by.add_argument("--max-bytes", type=int, default=None, help="stop after this many bytes")
+    by.set_defaults(func=_cmd_data_bytes)
+
+    sl = data_sub.add_parser(
+        "stdlib", help="write the stdlib corpus as jsonl documents with a train/validation split"
+    )
+    sl.add_argument("--out", type=Path, required=True, help="output directory")
+    sl.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    sl.set_defaults(func=_cmd_data_stdlib)
+
+    stages = {
+        "extract": "HTML to main-content text (resiliparse)",
+        "filter": "heuristic quality filters (Gopher/C4 rules; prose and code profiles)",
+        "dedup": "exact and fuzzy (MinHash + LSH) deduplication",
+        "decontaminate": "drop documents sharing a 13-gram with evaluation sets",
+        "tokenizer-train": "train a byte-level BPE tokenizer",
+        "tokenize": "encode documents into token shards with a manifest",
+    }
+    for name, help_text in stages.items():
+        st = data_sub.add_parser(name, help=help_text)
+        st.add_argument(
+            "inputs", nargs="+", help="document files or directories (jsonl[.gz|.zst], parquet, txt, html)"
+        )
+        st.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")
+        st.add_argument("--config", type=Path, default=None, help="YAML file with this stage's settings")
+        st.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override one setting (repeatable)",
+        )
+        st.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+        st.add_argument(
+            "--max-bad-fraction", type=float, default=0.01, help="fail when more records than this are bad"
+        )
+        st.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        if name != "tokenizer-train":
+            st.add_argument(
+                "--workers", type=int, default=None, help="worker processes (default: every core)"
+            )
+        if name == "decontaminate":
+            st.add_argument(
+                "--eval", type=Path, action="append", default=[], help="evaluation set (repeatable)"
+            )
+        if name == "tokenize":
+            st.add_argument(
+                "--tokenizer", type=Path, required=True, help="tokenizer.json or a directory holding one"
+            )
+        func = {"tokenizer-train": _cmd_data_tokenizer_train, "tokenize": _cmd_data_tokenize}.get(
+            name, _cmd_data_stage
+        )
+        st.set_defaults(func=func)
+
+    pr = data_sub.add_parser("prepare", help="run the whole data chain from one YAML config")
+    pr.add_argument("config", type=Path, help="prepare config (see docs/data.md)")
+    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    pr.add_argument("--overwrite", action="store_true", help="redo stages whose config or inputs changed")
+    pr.set_defaults(func=_cmd_data_prepare)
+
+    ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
+    ve.add_argument("shards", type=Path, help="token shard directory")
+    ve.set_defaults(func=_cmd_data_verify)

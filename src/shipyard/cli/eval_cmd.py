@@ -1,0 +1,67 @@
+"""shipyard eval: held-out loss / perplexity / bits-per-byte and tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shipyard.errors import ConfigError
+
+
+def _cmd_eval(args) -> int:
+    import json
+
+    from shipyard.eval.evaluate import run_eval
+
+    domains = {}
+    for item in args.tokens:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"eval --tokens {item!r}: expected NAME=SHARD_DIR")
+        domains[name] = path
+    tasks = []
+    for item in args.task:
+        kind, sep, path = item.partition(":")
+        if not sep:
+            raise ConfigError(
+                f"eval --task {item!r}: expected mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl"
+            )
+        tasks.append((kind, path))
+    report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step)
+    out = args.out or args.run_dir / "eval.json"
+    from shipyard.output import write_atomic
+
+    write_atomic(Path(out), json.dumps(report, indent=2) + "\n")
+    for name, m in report["domains"].items():
+        bpb = f", {m['bits_per_byte']:.4f} bits/byte" if m["bits_per_byte"] else ""
+        print(f"{name}: loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} ({m['tokens']:,} tokens)")
+    for name, m in report["tasks"].items():
+        print(
+            f"{name}: "
+            + ", ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in m.items()
+                if not isinstance(v, (list, dict))  # examples stay in the JSON report
+            )
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    ev = sub.add_parser("eval", help="held-out loss / perplexity / bits-per-byte and log-likelihood tasks")
+    ev.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    ev.add_argument(
+        "--tokens", action="append", default=[], metavar="NAME=DIR", help="a held-out token-shard set"
+    )
+    ev.add_argument(
+        "--task",
+        action="append",
+        default=[],
+        metavar="KIND:FILE",
+        help="mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl (exact match of the last assistant reply)",
+    )
+    ev.add_argument("--max-sequences", type=int, default=64, help="sequences scored per token set")
+    ev.add_argument("--step", type=int, default=None, help="checkpoint step")
+    ev.add_argument("--out", type=Path, default=None, help="JSON report (default RUN_DIR/eval.json)")
+    ev.set_defaults(func=_cmd_eval)

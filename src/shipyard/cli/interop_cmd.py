@@ -1,0 +1,86 @@
+"""shipyard export and import: Hugging Face and PEFT directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shipyard.cli.args import Parser
+from shipyard.output import OutputExists
+
+
+def _cmd_export_hf(args) -> int:
+    from shipyard.interop.hf import write_hf_dir
+    from shipyard.runs import open_model_dir
+
+    model_dir = open_model_dir(args.run_dir, "export hf")
+    if args.out.exists():  # before the params are read: refusing should be instant
+        raise OutputExists(f"export hf: {args.out} already exists; choose another output directory")
+    # Params stay sharded on the local devices; tensors reach the host one at a time.
+    weights = model_dir.load(args.step, to_host=False, what="export hf")
+    tok_dir = model_dir.tokenizer()
+    files = write_hf_dir(
+        weights.params, weights.config.model, args.out, tok_dir, int(args.max_shard_gb * (1 << 30))
+    )
+    tok = f", tokenizer from {tok_dir}" if tok_dir else " (no tokenizer found next to the run's data)"
+    what = "the imported model" if weights.step is None else f"checkpoint {weights.step}"
+    print(f"exported {what} of {args.run_dir} to {args.out}: {', '.join(files)}{tok}")
+    return 0
+
+
+def _cmd_export_peft(args) -> int:
+    from shipyard.interop.peft import write_peft_dir
+    from shipyard.runs import open_model_dir
+
+    cfg, step, adapters = open_model_dir(args.run_dir, "export peft").load_adapters(args.step)
+    info = write_peft_dir(cfg, adapters, args.out, args.base)
+    print(
+        f"exported the LoRA adapters of checkpoint {step} of {args.run_dir} to {args.out} "
+        f"({info['tensors']} tensors on {', '.join(info['targets'])}); load with peft.PeftModel.from_pretrained("
+        f"<the base exported with `shipyard export hf`>, {str(args.out)!r})"
+    )
+    return 0
+
+
+def _cmd_import_hf(args) -> int:
+    from shipyard.interop.hf import import_hf
+
+    info = import_hf(args.hf_dir, args.out)
+    print(
+        f"imported {args.hf_dir}: params in {info['params']}; train from it with `shipyard train {info['config']} data.train_tokens=...`"
+    )
+    return 0
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    ex = sub.add_parser("export", help="export a run's checkpoint to another format")
+    ex_sub = ex.add_subparsers(dest="export_command", required=True, parser_class=Parser)
+    exh = ex_sub.add_parser(
+        "hf", help="Hugging Face Llama directory (config.json, model.safetensors, tokenizer)"
+    )
+    exh.add_argument("run_dir", type=Path, help="run directory holding checkpoints/")
+    exh.add_argument("out", type=Path, help="output directory (must not exist)")
+    exh.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    exh.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors above this size")
+    exh.set_defaults(func=_cmd_export_hf)
+    exp = ex_sub.add_parser(
+        "peft", help="a LoRA run's adapters as a PEFT directory (adapter_config.json + safetensors)"
+    )
+    exp.add_argument("run_dir", type=Path, help="a run trained with train.finetune.lora")
+    exp.add_argument("out", type=Path, help="output directory (must not exist)")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    exp.add_argument(
+        "--base",
+        default=None,
+        help="recorded as base_model_name_or_path (the exported base model's directory)",
+    )
+    exp.set_defaults(func=_cmd_export_peft)
+
+    im = sub.add_parser("import", help="import a checkpoint from another format")
+    im_sub = im.add_subparsers(dest="import_command", required=True, parser_class=Parser)
+    imh = im_sub.add_parser(
+        "hf", help="Hugging Face Llama/Mistral safetensors directory -> params + config.yaml"
+    )
+    imh.add_argument("hf_dir", type=Path, help="directory with config.json and *.safetensors")
+    imh.add_argument("out", type=Path, help="output directory (must not exist)")
+    imh.set_defaults(func=_cmd_import_hf)

@@ -1,0 +1,92 @@
+"""shipyard run, quickstart, reproduce, report: pipelines and run reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _cmd_run(args) -> int:
+    from shipyard.pipeline.executor import run_pipeline
+
+    run_pipeline(args.pipeline, tuple(args.force), args.dry_run, args.root, ray_address=args.ray)
+    return 0
+
+
+def _cmd_quickstart(args) -> int:
+    import json
+    from importlib import resources
+
+    from shipyard.pipeline.executor import run_pipeline
+
+    pipeline = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml")
+    planned = {p.step.name: p for p in run_pipeline(str(pipeline), dry_run=args.dry_run, root=args.root)}
+    if args.dry_run:
+        return 0
+    ev = json.loads((planned["eval"].out / "eval.json").read_text())
+    held, base = ev["domains"]["heldout"], ev.get("unigram_baseline", {})
+    sample = json.loads((planned["sample"].out / "sample.json").read_text())
+    print("\nquickstart: every step's output, provenance.json and _SUCCESS are under", args.root)
+    for name in ("tokens-train", "train", "eval", "export", "report"):
+        print(f"  {name:<13} {planned[name].out}")
+    print(
+        f"held-out: {held['bits_per_byte']:.3f} bits/byte (loss {held['loss']:.3f} nats/token); "
+        f"unigram baseline {base.get('bits_per_byte', float('nan')):.3f} bits/byte "
+        f"({1 - ev.get('bits_per_byte_vs_unigram', 1):.0%} below)"
+    )
+    print(f"sample: {sample['prompt']!r} -> {sample['completion']!r}")
+    return 0
+
+
+def _cmd_reproduce(args) -> int:
+    from shipyard.pipeline.executor import reproduce
+
+    results = reproduce(args.output_dir, args.root)
+    same = sum(r["identical"] for r in results)
+    print(f"reproduce: {same} of {len(results)} steps identical")
+    return 0 if same == len(results) else 7
+
+
+def _cmd_report(args) -> int:
+    from shipyard.report import write_report
+
+    out = write_report(args.run_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    ru = sub.add_parser("run", help="run a pipeline file: content-addressed steps, done ones skipped")
+    ru.add_argument("pipeline", type=Path, help="pipeline YAML (root + steps)")
+    ru.add_argument("--dry-run", action="store_true", help="print each step's status and why it would run")
+    ru.add_argument(
+        "--force", action="append", default=[], metavar="STEP", help="rerun this step (repeatable)"
+    )
+    ru.add_argument("--root", type=Path, help="output root instead of the file's `root`")
+    ru.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the steps as Ray tasks on this cluster (`local` starts one here); the root must be shared storage",
+    )
+    ru.set_defaults(func=_cmd_run)
+
+    qs = sub.add_parser(
+        "quickstart",
+        help="the whole pipeline on the embedded stdlib corpus: data, tokenizer, train, eval, export",
+    )
+    qs.add_argument(
+        "--root", type=Path, default=Path("runs/quickstart"), help="output root (default runs/quickstart)"
+    )
+    qs.add_argument("--dry-run", action="store_true", help="print what would run and why")
+    qs.set_defaults(func=_cmd_quickstart)
+
+    rp = sub.add_parser(
+        "reproduce", help="rerun the recorded steps behind a pipeline output and compare hashes"
+    )
+    rp.add_argument("output_dir", type=Path, help="a finished step's directory (holds provenance.json)")
+    rp.add_argument("--root", type=Path, required=True, help="a fresh directory to rerun into")
+    rp.set_defaults(func=_cmd_reproduce)
+
+    rep = sub.add_parser("report", help="plot a run's metrics and write report.md")
+    rep.add_argument("run_dir", type=Path)
+    rep.set_defaults(func=_cmd_report)

@@ -1,0 +1,56 @@
+"""shipyard plan: memory, FLOPs, time and fit of a config on a mesh, before you rent it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from shipyard.errors import ConfigError
+
+
+def _cmd_plan(args) -> int:
+    import json
+    from dataclasses import replace
+
+    from shipyard.config import load_config
+    from shipyard.plan import DEVICES, parse_bytes, parse_mesh, plan, render
+
+    cfg = load_config(args.config, args.overrides)
+    sizes = parse_mesh(args.mesh)
+    device = DEVICES[args.device]
+    if args.device_memory:
+        device = replace(device, memory_bytes=parse_bytes(args.device_memory))
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu: {args.mfu} is not a fraction; expected 0 < mfu <= 1, e.g. 0.4")
+    if args.compile_layers is not None and args.compile_layers < 1:
+        raise ConfigError(f"--compile-layers: {args.compile_layers}; expected a positive number of layers")
+    result = plan(cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only)
+    sys.stdout.write(render(result) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["fits"] else 6
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    pl = sub.add_parser(
+        "plan",
+        help="memory, FLOPs, time and fit of a config on a mesh (analytic + compiled), before you rent it",
+    )
+    pl.add_argument("config", help="preset name or YAML file")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full")
+    pl.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,fsdp=8,tensor=1,expert=4")
+    pl.add_argument("--device", default="h100", choices=["h100", "h200", "a100", "tpu-v5p", "cpu"])
+    pl.add_argument("--device-memory", help="memory per device (e.g. 80GiB); default: the device's")
+    pl.add_argument("--tokens", type=float, help="token budget for time and device-hours (e.g. 15e12)")
+    pl.add_argument(
+        "--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for time (default 0.4)"
+    )
+    pl.add_argument("--analytic-only", action="store_true", help="skip compiling the step")
+    pl.add_argument(
+        "--compile-layers",
+        type=int,
+        help="compile only this many layers (twice, at two depths) and extrapolate; for very large models",
+    )
+    pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
+    pl.set_defaults(func=_cmd_plan)

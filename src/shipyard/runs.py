@@ -1,0 +1,251 @@
+"""Model directories: the one place that knows what a run or an imported model holds.
+
+Two kinds of directory hold a shipyard model:
+
+- a **run** (`shipyard train`): config.yaml, checkpoints/<step> (Orbax), and
+  the tokenizer under tokenizer/ or with its token shards;
+- an **import** (`shipyard import hf`): config.yaml whose train.init_from
+  points at its own params/ (an Orbax params tree) and the tokenizer files
+  next to it.
+
+`open_model_dir` tells them apart and returns a `ModelDir`: the resolved
+config, the complete checkpoint steps, the tokenizer, the lineage (what a
+fine-tuning run starts from) and a params-only restore that always gives
+plain model params (a fine-tuning run's frozen part re-read from its base and
+LoRA folded in). Every command that reads a model goes through it, so "what
+is missing" is said the same way everywhere, prefixed by the command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from shipyard.config import Config, MeshConfig, load_config
+from shipyard.errors import ConfigError, DataError, RunDirError
+
+
+class Weights(NamedTuple):
+    """A model's params with the config they belong to and the checkpoint step they came from
+    (None for an import)."""
+
+    config: Config
+    step: int | None
+    params: Any
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A run directory or an `import hf` output, opened by `open_model_dir`."""
+
+    path: Path
+    """The directory."""
+    kind: str
+    """"run" (checkpoints/) or "import" (params/)."""
+    config: Config
+    """Its resolved config.yaml."""
+    steps: tuple[int, ...]
+    """Complete checkpoint steps, newest first (empty for an import)."""
+
+    def step(self, step: int | None = None, what: str = "load") -> int | None:
+        """The checkpoint `step` (default: the newest); a RunDirError naming what is missing."""
+        if self.kind == "import":
+            if step is not None:
+                raise RunDirError(f"{what}: {self.path} is an imported model; it has no checkpoint steps")
+            return None
+        if step is None:
+            return self.steps[0]
+        if step not in self.steps:
+            raise RunDirError(
+                f"{what}: {self.path} has no checkpoint {step} (available: {', '.join(map(str, self.steps))})"
+            )
+        return step
+
+    @property
+    def init_from(self) -> Path | None:
+        """Lineage: the directory this model's training started from (a fine-tuning run's base)."""
+        src = self.config.train.init_from
+        return None if src is None or self.kind == "import" else Path(src)
+
+    def tokenizer(self) -> Path | None:
+        """The directory holding the tokenizer.json this model speaks, or None."""
+        return tokenizer_of(self.config, self.path)
+
+    def require_tokenizer(self, what: str) -> Path:
+        found = self.tokenizer()
+        if found is None:
+            raise DataError(
+                f"{what}: no tokenizer found for {self.path} (expected <run>/tokenizer/tokenizer.json "
+                "or a token-shard directory with a tokenizer.json)"
+            )
+        return found
+
+    def load(self, step: int | None = None, *, to_host: bool = True, what: str = "load") -> Weights:
+        """Params only (no optimizer state is read), sharded over the local devices (fsdp over all of
+        them when it divides the hidden size); with `to_host` copied to host numpy one array at a
+        time, else left as those sharded device arrays."""
+        import jax
+
+        from shipyard.model.params import param_shardings
+        from shipyard.model.transformer import param_specs
+        from shipyard.parallel.mesh import make_mesh, rules_for
+        from shipyard.train.finetune import Partition
+
+        cfg = self.config
+        step = self.step(step, what)
+        devices = jax.local_devices()
+        n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
+        mesh_cfg = MeshConfig(data=1, fsdp=n)
+        mesh, rules = make_mesh(mesh_cfg, devices[:n]), rules_for(mesh_cfg)
+        full = param_specs(cfg.model)
+        if self.kind == "import":
+            params = load_init_params(self.path, full, param_shardings(full, mesh, rules))
+        else:
+            partition = Partition(cfg.model, cfg.train.finetune)
+            params = self._restore(step, partition.trainable_specs(), mesh, rules)
+            if partition.kind != "full":
+                base = base_params(cfg, full, param_shardings(full, mesh, rules))
+                params = jax.jit(partition.merged_for_export)(params, partition.frozen(base))
+        if to_host:
+            params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+        return Weights(cfg, step, params)
+
+    def load_adapters(self, step: int | None = None, what: str = "export peft") -> Weights:
+        """A LoRA run's adapters ({stack: {"a": {...}, "b": {...}} or None}) as host numpy."""
+        import jax
+
+        from shipyard.train.finetune import Partition
+
+        partition = Partition(self.config.model, self.config.train.finetune)
+        if partition.kind != "lora":
+            raise RunDirError(
+                f"{what}: {self.path} did not train LoRA adapters (train.finetune.lora is not set); "
+                "use `shipyard export hf` for its full weights"
+            )
+        step = self.step(step, what)
+        adapters = self._restore(step, partition.trainable_specs())
+        return Weights(self.config, step, jax.tree.map(np.asarray, adapters))
+
+    def _restore(self, step: int, specs, mesh=None, rules=None):
+        from shipyard.model.params import abstract_params, param_shardings
+        from shipyard.train.checkpoint import checkpoint_dir, restore_params
+
+        shardings = None if mesh is None else param_shardings(specs, mesh, rules)
+        return restore_params(checkpoint_dir(self.path), step, abstract_params(specs, shardings))
+
+
+def open_model_dir(path: str | Path, what: str) -> ModelDir:
+    """The model directory at `path`; `what` (the command) prefixes every error."""
+    from shipyard.train.checkpoint import available_steps, checkpoint_dir
+
+    path = Path(path)
+    if not path.is_dir():
+        raise RunDirError(
+            f"{what}: {path} does not exist (expected a run directory or an `import hf` output)"
+        )
+    if not (path / "config.yaml").is_file():
+        raise RunDirError(f"{what}: {path} is not a run directory or an imported model (no config.yaml)")
+    cfg = load_config(str(path / "config.yaml"))
+    if (path / "params").is_dir() and not (path / "checkpoints").is_dir():
+        return ModelDir(path, "import", cfg, ())
+    steps = tuple(available_steps(checkpoint_dir(path)))
+    if not steps:
+        raise RunDirError(f"{what}: {path} has no complete checkpoint (train it, or wait for its first save)")
+    return ModelDir(path, "run", cfg, steps)
+
+
+def load_model(
+    path: str | Path, step: int | None = None, *, to_host: bool = True, what: str = "load"
+) -> Weights:
+    """`open_model_dir(path, what).load(step, ...)`: the params of a run or an imported model."""
+    return open_model_dir(path, what).load(step, to_host=to_host, what=what)
+
+
+def tokenizer_of(cfg: Config, model_dir: Path | None = None) -> Path | None:
+    """Where a model's tokenizer is: <dir>/tokenizer (runs copy theirs there), <dir> itself (an
+    import), data.chat.tokenizer, else the run's (first) token-shard directory."""
+    if model_dir is not None:
+        for candidate in (Path(model_dir) / "tokenizer", Path(model_dir)):
+            if (candidate / "tokenizer.json").is_file():
+                return candidate
+    if cfg.data.chat is not None and cfg.data.chat.tokenizer is not None:
+        return Path(cfg.data.chat.tokenizer)
+    paths, _ = cfg.data.sources()
+    for p in paths:
+        if (Path(p) / "tokenizer.json").is_file():
+            return Path(p)
+    return None
+
+
+def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Path:
+    """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
+    (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
+    if chat_tokenizer is not None:
+        return Path(chat_tokenizer)
+    if init_from is None:
+        raise DataError(
+            "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
+        )
+    base = Path(init_from)
+    for candidate in (base, base.parent, base / "tokenizer"):
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    if (base / "config.yaml").is_file():
+        found = tokenizer_of(load_config(str(base / "config.yaml")), base)
+        if found is not None:
+            return found
+    raise DataError(
+        f"data.chat.tokenizer: not set and no tokenizer.json found with train.init_from={init_from}; "
+        "set data.chat.tokenizer to the base model's tokenizer.json"
+    )
+
+
+def base_params(cfg: Config, specs, shardings):
+    """The params a run starts from: train.init_from, else the seeded random init."""
+    import jax
+
+    from shipyard.model.params import init_params
+
+    if cfg.train.init_from is not None:
+        return load_init_params(cfg.train.init_from, specs, shardings)
+    return init_params(specs, jax.random.key(cfg.train.seed), shardings)
+
+
+def load_init_params(path: str | Path, specs, shardings):
+    """Params to start from, restored onto `shardings`: a params-only Orbax tree (what `import hf`
+    writes to OUT/params; OUT itself works too) or a run directory (its newest checkpoint; a
+    fine-tuning run gives its merged params)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from shipyard.model.params import abstract_params
+
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise ConfigError(
+            f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
+        )
+    target = abstract_params(specs, shardings)
+    shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        params = open_model_dir(path, "train.init_from").load(to_host=False, what="train.init_from").params
+        got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if got != shapes:
+            raise ConfigError(
+                f"train.init_from: the run {path} holds a different model (e.g. embed {got.get('.embed')}, "
+                f"expected {shapes.get('.embed')}); use the base run's model config"
+            )
+        return jax.device_put(params, shardings)
+    if (path / "params").is_dir():  # the `import hf` output directory itself
+        path = path / "params"
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(path, target)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(
+            f"train.init_from: {path} does not hold params of this model ({str(e).splitlines()[0][:160]}); "
+            f"expected e.g. embed {shapes.get('.embed')}"
+        ) from e
