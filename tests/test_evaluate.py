@@ -13,7 +13,8 @@ from shipyard.config import load_config
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train
 from shipyard.errors import DataError
-from shipyard.eval.evaluate import cloze, loglikelihoods, multiple_choice, token_byte_lengths
+from shipyard.eval.loglik import loglikelihoods, token_byte_lengths
+from shipyard.eval.tasks import cloze, multiple_choice
 from shipyard.model.transformer import logits
 
 

@@ -171,7 +171,11 @@ def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_toke
     np.testing.assert_allclose(
         np.asarray(logits(params, jnp.asarray(_tokens()), cfg.model)), theirs, atol=1e-4, rtol=1e-4
     )
-    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 3  # never overwrites
+    before = sorted((tmp_path / "hf").iterdir())
+    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 1  # never overwrites
+    err = capsys.readouterr().err
+    assert "error: export hf:" in err and "already exists; choose another output directory" in err
+    assert "--overwrite" not in err and sorted((tmp_path / "hf").iterdir()) == before
 
     # import it back and continue training from it (a learning rate of ~0 keeps the params)
     assert main(["import", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0

@@ -31,7 +31,8 @@ from shipyard.config import load_config, to_yaml  # noqa: E402
 from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig  # noqa: E402
 from shipyard.data.tokenize import run_tokenize  # noqa: E402
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train  # noqa: E402
-from shipyard.eval.evaluate import loglikelihoods, multiple_choice  # noqa: E402
+from shipyard.eval.loglik import loglikelihoods  # noqa: E402
+from shipyard.eval.tasks import multiple_choice  # noqa: E402
 from shipyard.inference.generate import Generator  # noqa: E402
 from shipyard.model.transformer import logits  # noqa: E402
 

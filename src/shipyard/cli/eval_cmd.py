@@ -30,11 +30,11 @@ def _cmd_eval(args) -> int:
     out = args.out or args.run_dir / "eval.json"
     from shipyard.output import write_atomic
 
-    write_atomic(Path(out), json.dumps(report, indent=2) + "\n")
-    for name, m in report["domains"].items():
-        bpb = f", {m['bits_per_byte']:.4f} bits/byte" if m["bits_per_byte"] else ""
-        print(f"{name}: loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} ({m['tokens']:,} tokens)")
-    for name, m in report["tasks"].items():
+    write_atomic(Path(out), json.dumps(report.to_json(), indent=2) + "\n")
+    for name, m in report.domains.items():
+        bpb = f", {m.bits_per_byte:.4f} bits/byte" if m.bits_per_byte else ""
+        print(f"{name}: loss {m.loss:.4f}, perplexity {m.perplexity:.2f}{bpb} ({m.tokens:,} tokens)")
+    for name, m in report.tasks.items():
         print(
             f"{name}: "
             + ", ".join(

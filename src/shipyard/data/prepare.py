@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from shipyard.data.configs import PrepareConfig
@@ -36,108 +37,91 @@ def _status(out: Path, inputs: list[str], record: dict) -> str:
     return "done" if old.get("config") == record and old.get("inputs") == inputs else "changed"
 
 
-def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str], None] = print) -> dict:
-    from shipyard.data.decontaminate import run_decontaminate
-    from shipyard.data.dedup import run_dedup
-    from shipyard.data.extract import run_extract
-    from shipyard.data.filters import run_filter
-    from shipyard.data.tokenize import run_tokenize
-    from shipyard.data.tokenizer import run_tokenizer_train, tokenizer_record
+class _Chain:
+    """The stages of one `data prepare` run, numbered in order; each is skipped when its output holds
+    the same inputs and config, and once one reruns everything after it reruns too."""
 
-    out = Path(cfg.out)
-    workers = cfg.workers or default_workers()
-    summary: dict = {"out": str(out), "stages": {}}
-    started = time.time()
+    def __init__(self, out: Path, overwrite: bool, log: Callable[[str], None]):
+        self.out, self.overwrite, self.log = out, overwrite, log
+        self.summary: dict = {"out": str(out), "stages": {}}
+        self.rerun, self.count = False, 0
 
-    rerun = False  # once a stage reruns, everything downstream of it must too
-
-    def stage(name: str, inputs: list[str], record: dict, run: Callable[[Path, bool], dict]) -> str:
-        nonlocal rerun
-        target = out / name
+    def stage(self, name: str, inputs: list[str], record: dict, run: Callable[[Path, bool], dict]) -> str:
+        self.count += 1
+        name = f"{self.count:02d}-{name}"
+        target = self.out / name
         status = _status(target, inputs, record)
-        if status == "done" and rerun:
+        if status == "done" and self.rerun:
             status = "stale"
         if status == "done":
-            log(f"[{name}] done already: {target}")
+            self.log(f"[{name}] done already: {target}")
             result = json.loads((target / "stats.json").read_text())
-        elif status == "changed" and not overwrite:
+        elif status == "changed" and not self.overwrite:
             raise DataError(
                 f"data prepare: {target} holds a stage run with other inputs or config; "
                 "pass --overwrite to redo it (and everything after it) or choose another out"
             )
         else:
             result = run(target, status != "new")
-            rerun = True
-            log(f"[{name}] {describe(result)}")
-        summary["stages"][name] = {
+            self.rerun = True
+            self.log(f"[{name}] {describe(result)}")
+        self.summary["stages"][name] = {
             k: result.get(k) for k in ("documents_in", "documents_out", "dropped", "seconds")
         }
         return str(target)
 
+
+def _document_stages():
+    """(PrepareConfig field = stage name, stage function) of the document stages, in chain order."""
+    from shipyard.data.decontaminate import run_decontaminate
+    from shipyard.data.dedup import run_dedup
+    from shipyard.data.extract import run_extract
+    from shipyard.data.filters import run_filter
+
+    return (
+        ("extract", run_extract),
+        ("filter", run_filter),
+        ("dedup", run_dedup),
+        ("decontaminate", run_decontaminate),
+    )
+
+
+def _run_documents(fn, inputs, stage_cfg, read, workers, target: Path, overwrite: bool) -> dict:
+    return fn(inputs, target, stage_cfg, read, workers, overwrite)
+
+
+def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str], None] = print) -> dict:
+    from shipyard.data.extract import run_extract
+    from shipyard.data.tokenize import run_tokenize
+    from shipyard.data.tokenizer import run_tokenizer_train, tokenizer_record
+
+    workers = cfg.workers or default_workers()
+    chain = _Chain(Path(cfg.out), overwrite, log)
+    started = time.time()
     current = list(cfg.inputs)
-    n = 0
-
-    def numbered(name: str) -> str:
-        nonlocal n
-        n += 1
-        return f"{n:02d}-{name}"
-
-    if cfg.extract is not None:
-        c = cfg.extract
-        current = [
-            stage(
-                numbered("extract"),
-                current,
-                config_record(cfg.read, extract=c),
-                lambda t, ow, i=current: run_extract(i, t, c, cfg.read, workers, ow),
-            )
-        ]
-    if cfg.filter is not None:
-        c = cfg.filter
-        current = [
-            stage(
-                numbered("filter"),
-                current,
-                config_record(cfg.read, filter=c),
-                lambda t, ow, i=current: run_filter(i, t, c, cfg.read, workers, ow),
-            )
-        ]
-    if cfg.dedup is not None:
-        c = cfg.dedup
-        current = [
-            stage(
-                numbered("dedup"),
-                current,
-                config_record(cfg.read, dedup=c),
-                lambda t, ow, i=current: run_dedup(i, t, c, cfg.read, workers, ow),
-            )
-        ]
-    if cfg.decontaminate is not None:
-        c = cfg.decontaminate
-        current = [
-            stage(
-                numbered("decontaminate"),
-                current,
-                config_record(cfg.read, decontaminate=c),
-                lambda t, ow, i=current: run_decontaminate(i, t, c, cfg.read, workers, ow),
-            )
-        ]
-    if cfg.tokenizer_path is not None:
-        tokenizer = cfg.tokenizer_path
-    else:
+    for name, fn in _document_stages():
+        c = getattr(cfg, name)
+        if c is not None:
+            record = config_record(cfg.read, **{name: c})
+            run = partial(_run_documents, fn, current, c, cfg.read, workers)
+            current = [chain.stage(name, current, record, run)]
+    tokenizer = cfg.tokenizer_path
+    if tokenizer is None:
         c = cfg.tokenizer
-        tokenizer = stage(
-            numbered("tokenizer"),
+        tokenizer = chain.stage(
+            "tokenizer",
             current,
             config_record(cfg.read, tokenizer=c),
             lambda t, ow, i=current: run_tokenizer_train(i, t, c, cfg.read, ow),
         )
     tokenizer_id = tokenizer_record(tokenizer)  # a changed tokenizer file reruns tokenization
     c = cfg.tokenize
-    summary["train_shards"] = stage(
-        numbered("tokenize-train"),
+    token_record = config_record(cfg.read, tokenize=c, tokenizer=tokenizer_id)
+    summary = chain.summary
+    summary["train_shards"] = chain.stage(
+        "tokenize-train",
         current,
-        config_record(cfg.read, tokenize=c, tokenizer=tokenizer_id),
+        token_record,
         lambda t, ow, i=current: run_tokenize(i, t, tokenizer, c, cfg.read, workers, ow),
     )
     if cfg.validation_inputs:
@@ -145,22 +129,22 @@ def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str]
         if cfg.extract is not None:
             e = cfg.extract
             val = [
-                stage(
-                    numbered("extract-validation"),
+                chain.stage(
+                    "extract-validation",
                     val,
                     config_record(cfg.read, extract=e),
                     lambda t, ow, i=val: run_extract(i, t, e, cfg.read, workers, ow),
                 )
             ]
-        summary["validation_shards"] = stage(
-            numbered("tokenize-validation"),
+        summary["validation_shards"] = chain.stage(
+            "tokenize-validation",
             val,
-            config_record(cfg.read, tokenize=c, tokenizer=tokenizer_id),
+            token_record,
             lambda t, ow, i=val: run_tokenize(i, t, tokenizer, c, cfg.read, workers, ow),
         )
     summary["tokenizer"] = tokenizer
     summary["seconds"] = round(time.time() - started, 3)
-    write_json(out / "prepare.json", summary)
+    write_json(Path(cfg.out) / "prepare.json", summary)
     return summary
 
 

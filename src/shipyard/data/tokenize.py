@@ -104,28 +104,13 @@ def run_tokenize(
             tagged, run_units("tokenize", units, encode_unit, items, workers, _init, init)
         ):
             stats.add(r)
-            lengths = r["lengths"]
-            # whole documents go to a shard; split where a shard fills up
-            ends = np.cumsum(lengths)
-            start = 0
-            for count in _split_at_shard_boundaries(lengths, writer.room, cfg.shard_tokens):
-                lo = int(ends[start - 1]) if start else 0
-                writer.write(r["tokens"][lo : int(ends[start + count - 1])], count)
-                start += count
-            per_source[src]["documents"] += len(lengths)
-            per_source[src]["tokens"] += int(lengths.sum())
+            _write_documents(writer, r, cfg.shard_tokens)
+            per_source[src]["documents"] += len(r["lengths"])
+            per_source[src]["tokens"] += int(r["lengths"].sum())
             per_source[src]["bytes"] += r["bytes_in"]
         shards = writer.close()
         check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenize")
-        shutil.copy(
-            tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path,
-            tmp / TOKENIZER_FILE,
-        )
-        sidecar = (
-            tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
-        ) / "tokenizer_config.json"
-        if sidecar.is_file():
-            shutil.copy(sidecar, tmp / "tokenizer_config.json")
+        _copy_tokenizer(tokenizer_path, tmp)
         total_tokens = sum(s["tokens"] for s in shards)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -157,6 +142,27 @@ def run_tokenize(
         )
         write_json(tmp / "stats.json", result)
     return result
+
+
+def _write_documents(writer: ShardWriter, unit: dict, shard_tokens: int) -> None:
+    """A unit's documents into the shards: whole documents to a shard, split where a shard fills up."""
+    lengths = unit["lengths"]
+    ends = np.cumsum(lengths)
+    start = 0
+    for count in _split_at_shard_boundaries(lengths, writer.room, shard_tokens):
+        lo = int(ends[start - 1]) if start else 0
+        writer.write(unit["tokens"][lo : int(ends[start + count - 1])], count)
+        start += count
+
+
+def _copy_tokenizer(tokenizer_path: Path, out: Path) -> None:
+    """tokenizer.json (and its tokenizer_config.json, when there is one) into the shard directory."""
+    base = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+    shutil.copy(
+        tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path, out / TOKENIZER_FILE
+    )
+    if (base / "tokenizer_config.json").is_file():
+        shutil.copy(base / "tokenizer_config.json", out / "tokenizer_config.json")
 
 
 def _split_at_shard_boundaries(lengths: np.ndarray, room: int, shard_tokens: int):

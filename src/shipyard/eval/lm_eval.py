@@ -39,7 +39,7 @@ Request handling:
 - Sequences longer than `max_length` + 1 tokens lose tokens from the left
   (the continuation is kept whole when it fits); `is_greedy` is true when
   every continuation token is the argmax at its position. Requests are sorted
-  by length and scored `batch_size` at a time by `shipyard.eval.evaluate.loglikelihoods`.
+  by length and scored `batch_size` at a time by `shipyard.eval.loglik.loglikelihoods`.
 - `loglikelihood_rolling`: the text's tokens after the document-start token,
   cut into disjoint windows of `max_length` predictions, each window with as
   much preceding context as fits (lm-eval's rolling-window definition); every
@@ -215,7 +215,7 @@ class ShipyardLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         from tqdm import tqdm
 
-        from shipyard.eval.evaluate import loglikelihoods
+        from shipyard.eval.loglik import loglikelihoods
 
         limit = self.max_length + 1
         pairs = []

@@ -51,25 +51,70 @@ def _check_mixtral(cfg: ModelConfig) -> None:
         )
 
 
-def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for LlamaForCausalLM (dense) or MixtralForCausalLM (MoE)."""
+def _check_exportable(cfg: ModelConfig) -> None:
+    """Refuse, with the reason, a model no Hugging Face architecture holds exactly."""
     if cfg.qk_norm:
         raise DataError(
             "export hf: models with qk_norm have no Llama equivalent (Llama has no query/key norms)"
         )
     if cfg.moe is not None:
         _check_mixtral(cfg)
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": cfg.rope_theta,
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position,
+    if cfg.sliding_window is not None and (cfg.global_attention_every is not None or cfg.qkv_bias):
+        raise DataError(
+            "export hf: interleaved local/global attention (global_attention_every) or a sliding window with "
+            "qkv_bias has no Hugging Face architecture shipyard exports; Mistral/Mixtral windows every layer"
+        )
+    if cfg.qkv_bias and cfg.moe is not None:
+        raise DataError(
+            "export hf: an MoE model with qkv_bias has no Hugging Face architecture (Mixtral has no biases)"
+        )
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    return {
+        "rope_type": "llama3",
+        "rope_theta": cfg.rope_theta,
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position,
+    }
+
+
+def _architecture_fields(cfg: ModelConfig) -> tuple[dict, tuple[str, ...]]:
+    """(fields to set, Llama fields to drop) for the architecture that holds `cfg`: Llama, Qwen2
+    (Llama + q/k/v biases), Mixtral (MoE) or Mistral (one sliding window on every layer)."""
+    if cfg.qkv_bias:
+        qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+        return qwen2, ("attention_bias", "mlp_bias")
+    if cfg.moe is not None:
+        mixtral = {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": cfg.moe.expert_intermediate_size,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
+            "router_aux_loss_coef": cfg.moe.aux_loss,
+            "output_router_logits": False,
+            "sliding_window": cfg.sliding_window,
         }
+        return mixtral, ("mlp_bias",)
+    if cfg.sliding_window is not None:
+        mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+        return {**mistral, "sliding_window": cfg.sliding_window}, ("attention_bias", "mlp_bias")
+    return {}, ()
+
+
+def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for LlamaForCausalLM (dense), Qwen2 / Mistral (biases / windows) or MixtralForCausalLM (MoE)."""
+    _check_exportable(cfg)
+    rope = _rope_parameters(cfg)
+    max_pos = cfg.max_seq_len
+    if cfg.rope_scaling:
+        max_pos = max(cfg.max_seq_len, cfg.rope_scaling.original_max_position + 1)
     out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -80,9 +125,7 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": max(cfg.max_seq_len, cfg.rope_scaling.original_max_position + 1)
-        if cfg.rope_scaling
-        else cfg.max_seq_len,
+        "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -94,39 +137,10 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "rope_scaling": None if cfg.rope_scaling is None else rope,
         "rope_parameters": rope,
     }
-    if cfg.sliding_window is not None and (cfg.global_attention_every is not None or cfg.qkv_bias):
-        raise DataError(
-            "export hf: interleaved local/global attention (global_attention_every) or a sliding window with "
-            "qkv_bias has no Hugging Face architecture shipyard exports; Mistral/Mixtral windows every layer"
-        )
-    if cfg.qkv_bias:
-        if cfg.moe is not None:
-            raise DataError(
-                "export hf: an MoE model with qkv_bias has no Hugging Face architecture (Mixtral has no biases)"
-            )
-        # Qwen2 is Llama plus q/k/v biases (and, unused here, a sliding-window option).
-        out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False)
-        for key in ("attention_bias", "mlp_bias"):
-            out.pop(key)
-    if cfg.moe is not None:
-        out.update(
-            architectures=["MixtralForCausalLM"],
-            model_type="mixtral",
-            intermediate_size=cfg.moe.expert_intermediate_size,
-            num_local_experts=cfg.moe.num_experts,
-            num_experts_per_tok=cfg.moe.experts_per_token,
-            router_aux_loss_coef=cfg.moe.aux_loss,
-            output_router_logits=False,
-            sliding_window=cfg.sliding_window,
-        )
-        out.pop("mlp_bias")
-    elif cfg.sliding_window is not None and not cfg.qkv_bias:
-        # Mistral is Llama with one sliding window on every layer.
-        out.update(
-            architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=cfg.sliding_window
-        )
-        for key in ("attention_bias", "mlp_bias"):
-            out.pop(key)
+    fields, drop = _architecture_fields(cfg)
+    out.update(fields)
+    for key in drop:
+        out.pop(key)
     if bos_id is not None:
         out["bos_token_id"] = bos_id
     if eos_id is not None:
@@ -253,97 +267,107 @@ def to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return dict(iter_hf_tensors(params, cfg))
 
 
-def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
-    """shipyard params (numpy fp32) from an HF Llama / Mixtral state dict; names and shapes are checked."""
-    from shipyard.model.moe import MoEParams
-    from shipyard.model.transformer import BlockParams, TransformerParams
+class _TensorReader:
+    """An HF state dict read tensor by tensor: each name present, its shape what config.json implies,
+    its dtype a float type; fp32 numpy out."""
 
-    E, H, K, D, M, L = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.num_layers,
-    )
+    LAYER = "model.layers.{}."
 
-    def get(name: str, shape: tuple) -> np.ndarray:
-        if name not in tensors:
-            raise DataError(f"import hf: {where} lacks tensor {name}")
-        t = tensors[name]
+    def __init__(self, tensors: dict[str, np.ndarray], num_layers: int, where: str):
+        self.tensors, self.num_layers, self.where = tensors, num_layers, where
+
+    def get(self, name: str, shape: tuple) -> np.ndarray:
+        if name not in self.tensors:
+            raise DataError(f"import hf: {self.where} lacks tensor {name}")
+        t = self.tensors[name]
         if tuple(t.shape) != shape:
             raise DataError(
-                f"import hf: {where}: {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+                f"import hf: {self.where}: {name} has shape {tuple(t.shape)}, config.json implies {shape}"
             )
         if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
-            raise DataError(f"import hf: {where}: {name} has dtype {t.dtype}; expected a float type")
+            raise DataError(f"import hf: {self.where}: {name} has dtype {t.dtype}; expected a float type")
         return np.asarray(t, dtype=np.float32)
 
-    def stack(fmt: str, shape: tuple, transform) -> np.ndarray:
-        return np.stack([transform(get(fmt.format(i), shape)) for i in range(L)])
+    def stack(self, name: str, shape: tuple, transform=lambda t: t) -> np.ndarray:
+        """`model.layers.{i}.<name>` of every layer, transformed, stacked on a leading layers axis."""
+        return np.stack(
+            [transform(self.get((self.LAYER + name).format(i), shape)) for i in range(self.num_layers)]
+        )
 
-    p = "model.layers.{}."
 
+def _hf_block(r: _TensorReader, cfg: ModelConfig, mlp: dict):
+    """A layer stack's attention (and norms) from HF names, with the given MLP fields."""
+    from shipyard.model.transformer import BlockParams
+
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     biases = {}
     if cfg.qkv_bias:
         biases = dict(
-            bq=stack(p + "self_attn.q_proj.bias", (H * D,), lambda t: t.reshape(H, D)),
-            bk=stack(p + "self_attn.k_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
-            bv=stack(p + "self_attn.v_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
+            bq=r.stack("self_attn.q_proj.bias", (H * D,), lambda t: t.reshape(H, D)),
+            bk=r.stack("self_attn.k_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
+            bv=r.stack("self_attn.v_proj.bias", (K * D,), lambda t: t.reshape(K, D)),
         )
+    return BlockParams(
+        attn_norm=r.stack("input_layernorm.weight", (E,)),
+        wq=r.stack("self_attn.q_proj.weight", (H * D, E), lambda t: t.T.reshape(E, H, D)),
+        wk=r.stack("self_attn.k_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+        wv=r.stack("self_attn.v_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
+        wo=r.stack("self_attn.o_proj.weight", (E, H * D), lambda t: t.T.reshape(H, D, E)),
+        q_norm=None,
+        k_norm=None,
+        mlp_norm=r.stack("post_attention_layernorm.weight", (E,)),
+        **mlp,
+        **biases,
+    )
 
-    def attention(mlp: dict) -> BlockParams:
-        return BlockParams(
-            attn_norm=stack(p + "input_layernorm.weight", (E,), lambda t: t),
-            wq=stack(p + "self_attn.q_proj.weight", (H * D, E), lambda t: t.T.reshape(E, H, D)),
-            wk=stack(p + "self_attn.k_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
-            wv=stack(p + "self_attn.v_proj.weight", (K * D, E), lambda t: t.T.reshape(E, K, D)),
-            wo=stack(p + "self_attn.o_proj.weight", (E, H * D), lambda t: t.T.reshape(H, D, E)),
-            q_norm=None,
-            k_norm=None,
-            mlp_norm=stack(p + "post_attention_layernorm.weight", (E,), lambda t: t),
-            **mlp,
-            **biases,
-        )
 
+def _hf_moe(r: _TensorReader, cfg: ModelConfig):
+    """Mixtral's block_sparse_moe of every layer as MoEParams (no shared experts, zero selection bias)."""
+    from shipyard.model.moe import MoEParams
+
+    E, L = cfg.hidden_size, cfg.num_layers
+    X, F = cfg.moe.num_experts, cfg.moe.expert_intermediate_size
+    q = r.LAYER + "block_sparse_moe."
+
+    def experts(name: str, shape: tuple) -> np.ndarray:
+        per_layer = [
+            [r.get(f"{q.format(i)}experts.{x}.{name}.weight", shape).T for x in range(X)] for i in range(L)
+        ]
+        return np.stack([np.stack(layer) for layer in per_layer])
+
+    return MoEParams(
+        router=r.stack("block_sparse_moe.gate.weight", (X, E), lambda t: t.T),
+        router_bias=np.zeros((L, X), np.float32),
+        w_gate=experts("w1", (F, E)),
+        w_up=experts("w3", (F, E)),
+        w_down=experts("w2", (E, F)),
+        shared_gate=None,
+        shared_up=None,
+        shared_down=None,
+    )
+
+
+def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
+    """shipyard params (numpy fp32) from an HF Llama / Mixtral state dict; names and shapes are checked."""
+    from shipyard.model.transformer import TransformerParams
+
+    r = _TensorReader(tensors, cfg.num_layers, where)
+    E, M = cfg.hidden_size, cfg.intermediate_size
     if cfg.moe is None:
-        dense = attention(
-            dict(
-                w_gate=stack(p + "mlp.gate_proj.weight", (M, E), lambda t: t.T),
-                w_up=stack(p + "mlp.up_proj.weight", (M, E), lambda t: t.T),
-                w_down=stack(p + "mlp.down_proj.weight", (E, M), lambda t: t.T),
-            )
+        mlp = dict(
+            w_gate=r.stack("mlp.gate_proj.weight", (M, E), lambda t: t.T),
+            w_up=r.stack("mlp.up_proj.weight", (M, E), lambda t: t.T),
+            w_down=r.stack("mlp.down_proj.weight", (E, M), lambda t: t.T),
         )
-        moe_blocks = None
+        dense, moe_blocks = _hf_block(r, cfg, mlp), None
     else:
-        X, F = cfg.moe.num_experts, cfg.moe.expert_intermediate_size
-        q = p + "block_sparse_moe."
-
-        def experts(name: str, shape: tuple) -> np.ndarray:
-            return np.stack(
-                [
-                    np.stack([get(f"{q.format(i)}experts.{x}.{name}.weight", shape).T for x in range(X)])
-                    for i in range(L)
-                ]
-            )
-
-        moe = MoEParams(
-            router=stack(q + "gate.weight", (X, E), lambda t: t.T),
-            router_bias=np.zeros((L, X), np.float32),
-            w_gate=experts("w1", (F, E)),
-            w_up=experts("w3", (F, E)),
-            w_down=experts("w2", (E, F)),
-            shared_gate=None,
-            shared_up=None,
-            shared_down=None,
-        )
-        dense, moe_blocks = None, attention(dict(w_gate=None, w_up=None, w_down=None, moe=moe))
-    embed = get("model.embed_tokens.weight", (cfg.vocab_size, E))
-    lm_head = None if cfg.tie_embeddings else get("lm_head.weight", (cfg.vocab_size, E)).T
+        dense = None
+        moe_blocks = _hf_block(r, cfg, dict(w_gate=None, w_up=None, w_down=None, moe=_hf_moe(r, cfg)))
+    lm_head = None if cfg.tie_embeddings else r.get("lm_head.weight", (cfg.vocab_size, E)).T
     return TransformerParams(
-        embed=embed,
+        embed=r.get("model.embed_tokens.weight", (cfg.vocab_size, E)),
         blocks=dense,
-        final_norm=get("model.norm.weight", (E,)),
+        final_norm=r.get("model.norm.weight", (E,)),
         lm_head=lm_head,
         moe_blocks=moe_blocks,
     )

@@ -104,7 +104,7 @@ def unigram_bits_per_byte(train_tokens: Path, heldout_tokens: Path, tokenizer_di
     tokens, scored on the held-out tokens, in bits per UTF-8 byte."""
     from shipyard.data.shards import open_shards
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.eval.evaluate import token_byte_lengths
+    from shipyard.eval.loglik import token_byte_lengths
 
     counts = np.ones(vocab, np.float64)
     for shard in open_shards(train_tokens)[1]:
@@ -132,7 +132,9 @@ def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.runs import tokenizer_of
 
     run, heldout = _need("eval", inputs, "run", "tokens")
-    report = run_eval(run, {"heldout": str(heldout)}, [], max_sequences=int(config.get("max_sequences", 64)))
+    report = run_eval(
+        run, {"heldout": str(heldout)}, [], max_sequences=int(config.get("max_sequences", 64))
+    ).to_json()
     cfg = load_config(str(run / "config.yaml"))
     tok_dir = tokenizer_of(cfg)
     if tok_dir is not None and cfg.data.train_tokens is not None:
