@@ -11,14 +11,8 @@ from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.errors import DataError
-from shipyard.interop.hf import (
-    from_hf_tensors,
-    hf_config,
-    model_config_from_hf,
-    read_safetensors,
-    to_hf_tensors,
-    write_safetensors,
-)
+from shipyard.interop.hf import from_hf_tensors, read_safetensors, to_hf_tensors, write_safetensors
+from shipyard.interop.hf_config import hf_config, model_config_from_hf
 from shipyard.model.transformer import logits
 
 torch = pytest.importorskip("torch")
