@@ -36,8 +36,9 @@ test-all: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff format --check src tests bench
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench tools
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/python tools/check_docs.py
 
 format: install
 	$(BIN)/ruff format src tests bench

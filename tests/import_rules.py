@@ -48,19 +48,33 @@ def modules(src: Path) -> dict[str, Path]:
     return out
 
 
+def _dynamic_import(node: ast.Call) -> str | None:
+    """The module named by `importlib.import_module("x.y")` / `__import__(f"x.{name}")`: for an
+    f-string, the package its constant prefix names."""
+    f = node.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = str(arg.values[0].value)
+        return prefix.rsplit(".", 1)[0] if "." in prefix else None
+    return None
+
+
 def imports_of(path: Path, module: str) -> list[tuple[str, list[str], int]]:
-    """(imported module, imported names, line) for every import in the file, function-local ones too."""
-    is_pkg = path.name == "__init__.py"
+    """(imported module, imported names, line) for every import in the file, function-local ones too,
+    and `importlib.import_module` / `__import__` calls with a literal (or f-string prefix) name."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (target := _dynamic_import(node)):
+            out.append((target, [], node.lineno))
+        elif isinstance(node, ast.Import):
             out.extend((a.name, [], node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = module.split(".") if is_pkg else module.split(".")[:-1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([base] if base else []))
+            base = _from_base(node, path, module)
             names = [a.name for a in node.names]
             out.append((base, names, node.lineno))
             # `from shipyard.model import layers` imports the module shipyard.model.layers
@@ -83,3 +97,66 @@ def upward_edges(src: Path) -> list[str]:
                     f"{target} ({LAYERS[other][0]})"
                 )
     return edges
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(src: Path) -> list[str]:
+    """Every use of another shipyard module's `_private` name: `from shipyard.x import _y`, and
+    `alias._y` where alias is a shipyard module bound by an import in the file (`import shipyard.x
+    as alias`, `from shipyard import x`, or the full dotted name after `import shipyard.x`)."""
+    mods = modules(src)
+    out = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(src.parent)
+        aliases: dict[str, str] = {}  # local name (or dotted chain) -> shipyard module
+        for target, names, line in imports_of(path, mod):
+            if target in mods and target != mod:
+                for n in names:
+                    if _is_private(n) and f"{target}.{n}" not in mods:
+                        out.append(f"{where}:{line} {mod} imports {target}.{n}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        aliases[a.asname or a.name] = a.name
+                        if not a.asname:  # `import shipyard.x.y` also makes shipyard.x.y reachable
+                            parts = a.name.split(".")
+                            for i in range(1, len(parts) + 1):
+                                if ".".join(parts[:i]) in mods:
+                                    aliases[".".join(parts[:i])] = ".".join(parts[:i])
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_base(node, path, mod)
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in mods:
+                        aliases[a.asname or a.name] = full
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                chain = _dotted(node.value)
+                target = aliases.get(chain) if chain else None
+                if target and target != mod:
+                    out.append(f"{where}:{node.lineno} {mod} uses {target}.{node.attr}")
+    return sorted(set(out))
+
+
+def _from_base(node: ast.ImportFrom, path: Path, module: str) -> str:
+    base = node.module or ""
+    if node.level:
+        pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        pkg = pkg[: len(pkg) - (node.level - 1)]
+        base = ".".join(pkg + ([base] if base else []))
+    return base
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])

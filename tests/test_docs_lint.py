@@ -1,0 +1,157 @@
+"""tools/check_docs.py: the docs name only commands, flags, make targets, files, code and config keys
+that exist. Each kind of drift is planted in a temporary copy of a doc and must be reported; the real
+docs must pass (docs/architecture.md aside while it is rewritten; `make lint` checks it too)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "tools" / "check_docs.py"
+
+
+def run_checker(*files: Path) -> tuple[int, list[str]]:
+    r = subprocess.run(
+        [sys.executable, str(CHECKER), "--repo", str(ROOT), *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return r.returncode, [line for line in r.stdout.splitlines() if line.strip()]
+
+
+def planted(src: str, old: str, new: str) -> str:
+    text = (ROOT / src).read_text()
+    assert old in text, f"{src} no longer holds {old!r}: update this test"
+    return text.replace(old, new, 1)
+
+
+def line_of(text: str, needle: str) -> int:
+    return text[: text.index(needle)].count("\n") + 1
+
+
+ARCH = """# Architecture (planted drift)
+
+`transformer.layer_windows` is real and `transformer.layer_window` is not.
+`parallel/mesh.py: DEFAULT_RULES` is real; `parallel/mesh.py: NO_SUCH_TABLE` is not.
+`train/step.py: make_train_step(cfg)` lacks a required argument;
+`train/step.py: make_train_step(cfg, optimizer, partition=None)` fits.
+`model/transformer.py` exists, `model/no_such_module.py` does not.
+`model.sliding_window` is a config key, `model.sliding_windw` is not, and `moe.bias_update_rate` is one.
+`peft.PeftModel.from_pretrained` and `jax.distributed` belong to other libraries.
+"""
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("docs")
+    docs = {
+        # a wrong flag and a wrong config key in an override, in a copy of docs/plan.md
+        "plan.md": planted(
+            "docs/plan.md", "--device h200 --compile-layers 1", "--device h200 --compiled-layers 2"
+        ).replace("shipyard plan marin-8b model.remat=full", "shipyard plan marin-8b model.rematt=full", 1),
+        # a subcommand that does not exist and a make target that does not exist, in a copy of the README
+        "README.md": planted(
+            "README.md", "shipyard data verify shards/", "shipyard data verfy shards/"
+        ).replace("make test         #", "make test-fast    #", 1),
+        "architecture.md": ARCH,
+    }
+    for name, text in docs.items():
+        (d / name).write_text(text)
+    rc, out = run_checker(*(d / n for n in docs))
+    return d, docs, rc, out
+
+
+def reported(out: list[str], name: str, line: int) -> list[str]:
+    return [o for o in out if re.match(rf".*{re.escape(name)}:{line}: ", o)]
+
+
+def test_wrong_flag_is_reported(planted_run):
+    d, docs, rc, out = planted_run
+    assert rc == 1
+    hits = reported(out, "plan.md", line_of(docs["plan.md"], "--compiled-layers"))
+    assert any("--compiled-layers" in h and "--compile-layers" in h for h in hits), out
+
+
+def test_wrong_config_key_in_override_is_reported(planted_run):
+    d, docs, rc, out = planted_run
+    hits = reported(out, "plan.md", line_of(docs["plan.md"], "model.rematt"))
+    assert any("model.rematt" in h for h in hits), out
+
+
+def test_unknown_subcommand_is_reported(planted_run):
+    d, docs, rc, out = planted_run
+    hits = reported(out, "README.md", line_of(docs["README.md"], "data verfy"))
+    assert any("no subcommand `verfy`" in h and "verify" in h for h in hits), out
+
+
+def test_unknown_make_target_is_reported(planted_run):
+    d, docs, rc, out = planted_run
+    hits = reported(out, "README.md", line_of(docs["README.md"], "make test-fast"))
+    assert any("make test-fast" in h and "Makefile" in h for h in hits), out
+
+
+def test_code_references_are_checked(planted_run):
+    d, docs, rc, out = planted_run
+    arch = [o for o in out if "architecture.md:" in o]
+    expect = {
+        "transformer.layer_window`": "defines no `layer_window`",
+        "NO_SUCH_TABLE": "defines no `NO_SUCH_TABLE`",
+        "make_train_step(cfg)`": "also requires optimizer",
+        "no_such_module.py": "no such file",
+        "model.sliding_windw": "has no field `sliding_windw`",
+    }
+    for name, why in expect.items():
+        assert any(name in o and why in o for o in arch), (name, arch)
+    # and nothing else: the real names, the config keys and other libraries' names pass
+    assert len(arch) == len(expect), arch
+
+
+def test_planted_docs_report_only_the_planted_drift(planted_run):
+    d, docs, rc, out = planted_run
+    assert len([o for o in out if "plan.md:" in o]) == 2, out
+    assert len([o for o in out if "README.md:" in o]) == 2, out
+
+
+def test_repository_docs_pass():
+    files = [
+        ROOT / "README.md",
+        *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "architecture.md"),
+    ]
+    rc, out = run_checker(*files)
+    assert rc == 0, "\n".join(out)
+
+
+def test_help_parsing_handles_wrapped_usage_and_choices():
+    spec = importlib.util.spec_from_file_location("check_docs", CHECKER)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["check_docs"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    text = """usage: shipyard plan [-h] --mesh MESH [--device {h100,cpu}]
+                     [--compile-layers COMPILE_LAYERS]
+                     config [overrides ...]
+
+positional arguments:
+  config                preset name or YAML file
+  overrides             dotted overrides
+
+options:
+  -h, --help            show this help message and exit
+  --device {h100,cpu}
+  --compile-layers COMPILE_LAYERS
+                        compile only this many layers; see also --not-a-flag
+"""
+    h = mod.parse_help(text)
+    assert h.flags == {"--help", "--mesh", "--device", "--compile-layers"}
+    assert h.subcommands == [] and h.overrides
+    sub = mod.parse_help(
+        "usage: shipyard data [-h] {bytes,verify} ...\n\npositional arguments:\n  {bytes,verify}\n"
+        "    bytes    write bytes\n\noptions:\n  -h, --help  show help\n"
+    )
+    assert sub.subcommands == ["bytes", "verify"]
