@@ -29,6 +29,18 @@ class OutputExists(ShipyardError):
     exit_code = 1
 
 
+def refuse_existing(
+    out: Path,
+    what: str,
+    *,
+    hint: str = "choose another output directory",
+    error: type[ShipyardError] = OutputExists,
+) -> None:
+    """The "already exists" error of `atomic_dir`, for callers that want it before slow work."""
+    if Path(out).exists():
+        raise error(f"{what}: {out} already exists; {hint}")
+
+
 @contextlib.contextmanager
 def atomic_dir(
     out: Path,
@@ -42,8 +54,8 @@ def atomic_dir(
     on any error it is removed and `out` is left as it was. An existing `out` is refused (with
     `what`, the command, and `hint`, how to proceed) unless `overwrite`."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise error(f"{what}: {out} already exists; {hint}")
+    if not overwrite:
+        refuse_existing(out, what, hint=hint, error=error)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

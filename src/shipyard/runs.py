@@ -1,12 +1,14 @@
 """Model directories: the one place that knows what a run or an imported model holds.
 
-Two kinds of directory hold a shipyard model:
+Three kinds of directory hold a model shipyard can use:
 
 - a **run** (`shipyard train`): config.yaml, checkpoints/<step> (Orbax), and
   the tokenizer under tokenizer/ or with its token shards;
 - an **import** (`shipyard import hf`): config.yaml whose train.init_from
   points at its own params/ (an Orbax params tree) and the tokenizer files
-  next to it.
+  next to it;
+- a **Hugging Face model directory** itself: config.json + *.safetensors (+
+  tokenizer files), read in memory, nothing written.
 
 `open_model_dir` tells them apart and returns a `ModelDir`: the resolved
 config, the complete checkpoint steps, the tokenizer, the lineage (what a
@@ -24,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shipyard.config import Config, MeshConfig, load_config
+from shipyard.config import Config, MeshConfig, build_config, load_config
 from shipyard.errors import ConfigError, DataError, RunDirError
 
 
@@ -44,15 +46,15 @@ class ModelDir:
     path: Path
     """The directory."""
     kind: str
-    """"run" (checkpoints/) or "import" (params/)."""
+    """"run" (checkpoints/), "import" (params/) or "hf" (config.json + safetensors)."""
     config: Config
-    """Its resolved config.yaml."""
+    """Its resolved config.yaml (for an HF directory: the config `import hf` would write)."""
     steps: tuple[int, ...]
     """Complete checkpoint steps, newest first (empty for an import)."""
 
     def step(self, step: int | None = None, what: str = "load") -> int | None:
         """The checkpoint `step` (default: the newest); a RunDirError naming what is missing."""
-        if self.kind == "import":
+        if self.kind != "run":
             if step is not None:
                 raise RunDirError(f"{what}: {self.path} is an imported model; it has no checkpoint steps")
             return None
@@ -68,7 +70,7 @@ class ModelDir:
     def init_from(self) -> Path | None:
         """Lineage: the directory this model's training started from (a fine-tuning run's base)."""
         src = self.config.train.init_from
-        return None if src is None or self.kind == "import" else Path(src)
+        return None if src is None or self.kind != "run" else Path(src)
 
     def tokenizer(self) -> Path | None:
         """The directory holding the tokenizer.json this model speaks, or None."""
@@ -101,7 +103,9 @@ class ModelDir:
         mesh_cfg = MeshConfig(data=1, fsdp=n)
         mesh, rules = make_mesh(mesh_cfg, devices[:n]), rules_for(mesh_cfg)
         full = param_specs(cfg.model)
-        if self.kind == "import":
+        if self.kind == "hf":
+            params = _read_hf_params(self.path, full, param_shardings(full, mesh, rules), what)
+        elif self.kind == "import":
             params = load_init_params(self.path, full, param_shardings(full, mesh, rules))
         else:
             partition = Partition(cfg.model, cfg.train.finetune)
@@ -137,17 +141,34 @@ class ModelDir:
         return restore_params(checkpoint_dir(self.path), step, abstract_params(specs, shardings))
 
 
+_KINDS = "a run directory, an `import hf` output or a Hugging Face model directory"
+
+
+def _read_hf_params(path: Path, specs, shardings, what: str):
+    """An HF directory's params, read on the host and placed onto `shardings`."""
+    import jax
+
+    from shipyard.interop.hf import read_hf_dir
+
+    _, params = read_hf_dir(path, what)
+    return jax.device_put(params, shardings)
+
+
 def open_model_dir(path: str | Path, what: str) -> ModelDir:
     """The model directory at `path`; `what` (the command) prefixes every error."""
+    from shipyard.interop.hf import is_hf_dir, read_hf_config, run_config_for
     from shipyard.train.checkpoint import available_steps, checkpoint_dir
 
     path = Path(path)
     if not path.is_dir():
-        raise RunDirError(
-            f"{what}: {path} does not exist (expected a run directory or an `import hf` output)"
-        )
+        raise RunDirError(f"{what}: {path} does not exist (expected {_KINDS})")
     if not (path / "config.yaml").is_file():
-        raise RunDirError(f"{what}: {path} is not a run directory or an imported model (no config.yaml)")
+        if not is_hf_dir(path):
+            raise RunDirError(
+                f"{what}: {path} has neither config.yaml nor config.json + *.safetensors ({_KINDS})"
+            )
+        model = read_hf_config(path, what)
+        return ModelDir(path, "hf", build_config(run_config_for(model, path)), ())
     cfg = load_config(str(path / "config.yaml"))
     if (path / "params").is_dir() and not (path / "checkpoints").is_dir():
         return ModelDir(path, "import", cfg, ())
@@ -214,6 +235,18 @@ def base_params(cfg: Config, specs, shardings):
     return init_params(specs, jax.random.key(cfg.train.seed), shardings)
 
 
+def _same_shapes(params, shapes: dict, what: str):
+    import jax
+
+    got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    if got != shapes:
+        raise ConfigError(
+            f"train.init_from: {what} holds a different model (e.g. embed {got.get('.embed')}, "
+            f"expected {shapes.get('.embed')}); use the base model's config"
+        )
+    return params
+
+
 def load_init_params(path: str | Path, specs, shardings):
     """Params to start from, restored onto `shardings`: a params-only Orbax tree (what `import hf`
     writes to OUT/params; OUT itself works too) or a run directory (its newest checkpoint; a
@@ -232,13 +265,12 @@ def load_init_params(path: str | Path, specs, shardings):
     shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
     if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
         params = open_model_dir(path, "train.init_from").load(to_host=False, what="train.init_from").params
-        got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-        if got != shapes:
-            raise ConfigError(
-                f"train.init_from: the run {path} holds a different model (e.g. embed {got.get('.embed')}, "
-                f"expected {shapes.get('.embed')}); use the base run's model config"
-            )
-        return jax.device_put(params, shardings)
+        return jax.device_put(_same_shapes(params, shapes, f"the run {path}"), shardings)
+    if not (path / "config.yaml").is_file() and (path / "config.json").is_file():
+        from shipyard.interop.hf import read_hf_dir
+
+        _, params = read_hf_dir(path, "train.init_from")
+        return jax.device_put(_same_shapes(params, shapes, f"the Hugging Face model {path}"), shardings)
     if (path / "params").is_dir():  # the `import hf` output directory itself
         path = path / "params"
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shipyard.cli.args import Parser
-from shipyard.output import OutputExists
+from shipyard.output import refuse_existing
 
 
 def _cmd_export_hf(args) -> int:
@@ -13,8 +13,7 @@ def _cmd_export_hf(args) -> int:
     from shipyard.runs import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "export hf")
-    if args.out.exists():  # before the params are read: refusing should be instant
-        raise OutputExists(f"export hf: {args.out} already exists; choose another output directory")
+    refuse_existing(args.out, "export hf")  # before the params are read: refusing should be instant
     # Params stay sharded on the local devices; tensors reach the host one at a time.
     weights = model_dir.load(args.step, to_host=False, what="export hf")
     tok_dir = model_dir.tokenizer()

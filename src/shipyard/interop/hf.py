@@ -98,19 +98,19 @@ class _TensorReader:
 
     LAYER = "model.layers.{}."
 
-    def __init__(self, tensors: dict[str, np.ndarray], num_layers: int, where: str):
-        self.tensors, self.num_layers, self.where = tensors, num_layers, where
+    def __init__(self, tensors: dict[str, np.ndarray], num_layers: int, where: str, what: str):
+        self.tensors, self.num_layers, self.where, self.what = tensors, num_layers, where, what
 
     def get(self, name: str, shape: tuple) -> np.ndarray:
         if name not in self.tensors:
-            raise DataError(f"import hf: {self.where} lacks tensor {name}")
+            raise DataError(f"{self.what}: {self.where} lacks tensor {name}")
         t = self.tensors[name]
         if tuple(t.shape) != shape:
             raise DataError(
-                f"import hf: {self.where}: {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+                f"{self.what}: {self.where}: {name} has shape {tuple(t.shape)}, config.json implies {shape}"
             )
         if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
-            raise DataError(f"import hf: {self.where}: {name} has dtype {t.dtype}; expected a float type")
+            raise DataError(f"{self.what}: {self.where}: {name} has dtype {t.dtype}; expected a float type")
         return np.asarray(t, dtype=np.float32)
 
     def stack(self, name: str, shape: tuple, transform=lambda t: t) -> np.ndarray:
@@ -172,11 +172,13 @@ def _hf_moe(r: _TensorReader, cfg: ModelConfig):
     )
 
 
-def from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint"):
+def from_hf_tensors(
+    tensors: dict[str, np.ndarray], cfg: ModelConfig, where: str = "checkpoint", what: str = "import hf"
+):
     """shipyard params (numpy fp32) from an HF Llama / Mixtral state dict; names and shapes are checked."""
     from shipyard.model.transformer import TransformerParams
 
-    r = _TensorReader(tensors, cfg.num_layers, where)
+    r = _TensorReader(tensors, cfg.num_layers, where, what)
     E, M = cfg.hidden_size, cfg.intermediate_size
     if cfg.moe is None:
         mlp = dict(
@@ -238,25 +240,60 @@ def write_safetensors(tensors, out_dir: Path, max_shard_bytes: int = 5 << 30) ->
     return names
 
 
-def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
+def read_safetensors(hf_dir: Path, what: str = "import hf") -> dict[str, np.ndarray]:
     """Every tensor of an HF directory's safetensors files (refusing pickle-based .bin checkpoints)."""
     from safetensors.numpy import load_file
 
-    files = sorted(hf_dir.glob("*.safetensors"))
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
-        if list(hf_dir.glob("*.bin")) or list(hf_dir.glob("*.pt")):
+        if list(Path(hf_dir).glob("*.bin")) or list(Path(hf_dir).glob("*.pt")):
             raise DataError(
-                f"import hf: {hf_dir} holds only .bin/.pt (pickle) weights, which shipyard never loads; "
+                f"{what}: {hf_dir} holds only .bin/.pt (pickle) weights, which shipyard never loads; "
                 "convert them to safetensors first"
             )
-        raise DataError(f"import hf: {hf_dir} has no .safetensors files")
+        raise DataError(f"{what}: {hf_dir} has no .safetensors files")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
             tensors.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error types for a bad header
-            raise DataError(f"import hf: {f} is not a readable safetensors file ({e})") from e
+            raise DataError(f"{what}: {f} is not a readable safetensors file ({e})") from e
     return tensors
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory: config.json next to safetensors (or pickle) weights."""
+    path = Path(path)
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").is_file() and weights
+
+
+def read_hf_config(hf_dir: Path, what: str = "import hf") -> ModelConfig:
+    """The checked ModelConfig of an HF directory's config.json (nothing else is read)."""
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():
+        raise DataError(f"{what}: {hf_dir} has no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what}: {config_path} is not valid JSON ({e.msg}, line {e.lineno})") from e
+    return model_config_from_hf(config, str(config_path), what)
+
+
+def read_hf_dir(hf_dir: Path, what: str = "import hf"):
+    """(ModelConfig, params as host fp32 numpy) of an HF directory: config.json checked first, then
+    every tensor's name, shape and dtype."""
+    model = read_hf_config(hf_dir, what)
+    return model, from_hf_tensors(read_safetensors(hf_dir, what), model, str(hf_dir), what)
+
+
+def run_config_for(model: ModelConfig, init_from: Path) -> dict:
+    """The config a model read from elsewhere trains with by default (what `import hf` writes)."""
+    return {
+        "model": model.model_dump(mode="json"),
+        "data": {"seq_len": min(model.max_seq_len, 2048)},
+        "train": {"steps": 1000, "global_batch_size": 8, "init_from": str(Path(init_from).absolute())},
+    }
 
 
 # ----------------------------------------------------------------------------- directories
@@ -301,30 +338,23 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
     import orbax.checkpoint as ocp
     import yaml
 
-    from shipyard.output import atomic_dir
+    from shipyard.output import atomic_dir, refuse_existing
 
-    hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise DataError(f"import hf: {hf_dir} has no config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"import hf: {config_path} is not valid JSON ({e.msg}, line {e.lineno})") from e
-    model = model_config_from_hf(config, str(config_path))
-    params = from_hf_tensors(read_safetensors(hf_dir), model, str(hf_dir))
-    out = Path(out)
+    hf_dir, out = Path(hf_dir), Path(out)
+    refuse_existing(out, "import hf")  # before reading gigabytes
+    model, params = read_hf_dir(hf_dir)
     with atomic_dir(out, "import hf") as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save((tmp / "params").absolute(), params)
-        run_config = {
-            "model": model.model_dump(mode="json"),
-            "data": {"seq_len": min(model.max_seq_len, 2048)},
-            "train": {"steps": 1000, "global_batch_size": 8, "init_from": str((out / "params").absolute())},
-        }
         header = f"# imported from {hf_dir}; set data.train_tokens (same tokenizer!) and train settings\n"
+        run_config = run_config_for(model, out / "params")
         (tmp / "config.yaml").write_text(header + yaml.safe_dump(run_config, sort_keys=False))
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ):
             if (hf_dir / name).is_file():
                 shutil.copy(hf_dir / name, tmp / name)
     return {"params": str(out / "params"), "config": str(out / "config.yaml"), "model": model}

@@ -151,12 +151,12 @@ _TYPES = {
 class _Keys:
     """Typed reads of one JSON object, each failure one line naming the file, key, value and expectation."""
 
-    def __init__(self, obj: dict, where: str):
-        self.obj, self.where = obj, where
+    def __init__(self, obj: dict, where: str, what: str):
+        self.obj, self.where, self.what = obj, where, what
 
     def fail(self, key: str, value, expected: str):
         shown = "missing" if value is _MISSING else f"{value!r}"
-        raise DataError(f"import hf: {self.where}: {key} is {shown}; expected {expected}")
+        raise DataError(f"{self.what}: {self.where}: {key} is {shown}; expected {expected}")
 
     def get(self, key: str, kind: str, default=_MISSING, *, minimum=None, exclusive: bool = True):
         """obj[key] checked against `kind` and a lower bound; null or absent gives `default` (or fails
@@ -180,7 +180,7 @@ def _rope_scaling(keys: _Keys) -> tuple[float, RopeScaling | None]:
     name = "rope_parameters" if keys.obj.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, dict):
         keys.fail(name, rope, "an object (or null)")
-    theta = _Keys(rope, keys.where).get(
+    theta = _Keys(rope, keys.where, keys.what).get(
         "rope_theta", "number", keys.get("rope_theta", "number", 10000.0, minimum=0)
     )
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -188,7 +188,7 @@ def _rope_scaling(keys: _Keys) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind != "llama3":
         keys.fail(f"{name}.rope_type", kind, "default or llama3 (the RoPE variants shipyard implements)")
-    r = _Keys(rope, f"{keys.where} {name}")
+    r = _Keys(rope, f"{keys.where} {name}", keys.what)
     return theta, RopeScaling(
         factor=r.get("factor", "number", minimum=0),
         low_freq_factor=r.get("low_freq_factor", "number", minimum=0),
@@ -238,12 +238,12 @@ def _mixtral(keys: _Keys, intermediate: int) -> MoEConfig:
     )
 
 
-def model_config_from_hf(config, where: str = "config.json") -> ModelConfig:
+def model_config_from_hf(config, where: str = "config.json", what: str = "import hf") -> ModelConfig:
     """A shipyard ModelConfig for a Llama / Mistral / Qwen2 / Mixtral config.json; anything missing,
     mistyped, inconsistent or unsupported is one DataError line naming the key."""
     if not isinstance(config, dict):
-        raise DataError(f"import hf: {where} holds {type(config).__name__}; expected a JSON object")
-    keys = _Keys(config, where)
+        raise DataError(f"{what}: {where} holds {type(config).__name__}; expected a JSON object")
+    keys = _Keys(config, where, what)
     archs = config.get("architectures")
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         keys.fail(
@@ -253,7 +253,7 @@ def model_config_from_hf(config, where: str = "config.json") -> ModelConfig:
         )
     arch = archs[0]
     if arch not in ARCHITECTURES:
-        raise DataError(f"import hf: {where} is a {arch}; supported: {', '.join(ARCHITECTURES)}")
+        raise DataError(f"{what}: {where} is a {arch}; supported: {', '.join(ARCHITECTURES)}")
     _check_supported(keys, arch)
     hidden = keys.get("hidden_size", "int", minimum=0)
     intermediate = keys.get("intermediate_size", "int", minimum=0)
@@ -285,4 +285,4 @@ def model_config_from_hf(config, where: str = "config.json") -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ValidationError as e:  # a rule of shipyard's own schema; named in shipyard's terms
-        raise DataError(f"import hf: {where}: {format_validation_error(e, ModelConfig)}") from e
+        raise DataError(f"{what}: {where}: {format_validation_error(e, ModelConfig)}") from e
