@@ -85,6 +85,19 @@ class ModelDir:
             )
         return found
 
+    def generation(self, what: str = "load"):
+        """The model's generation_config.json settings (from this directory, its tokenizer/, or the
+        model it was trained from), or the empty defaults when it has none."""
+        from shipyard.interop.hf_config import GenerationDefaults, read_generation_config
+
+        places = [self.path, self.path / "tokenizer"]
+        if self.init_from is not None:
+            places += [self.init_from, self.init_from.parent]  # an import's params/ sits in the import
+        for place in places:
+            if (place / "generation_config.json").is_file():
+                return read_generation_config(place / "generation_config.json", what)
+        return GenerationDefaults()
+
     def load(self, step: int | None = None, *, to_host: bool = True, what: str = "load") -> Weights:
         """Params only (no optimizer state is read), sharded over the local devices (fsdp over all of
         them when it divides the hidden size); with `to_host` copied to host numpy one array at a

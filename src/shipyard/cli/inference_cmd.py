@@ -4,6 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shipyard.errors import ConfigError
+
+
+def _sampling(args, gen, temperature: float, top_k: int | None, top_p: float | None) -> dict:
+    """Sampling settings: each flag, else the model's generation_config.json, else the default given."""
+
+    def pick(flag, model, default):
+        return flag if flag is not None else (model if model is not None else default)
+
+    return {
+        "temperature": pick(args.temperature, gen.temperature, temperature),
+        "top_k": pick(args.top_k, gen.top_k or None, top_k),
+        "top_p": pick(args.top_p, gen.top_p, top_p),
+    }
+
+
+def _check_context(prompts: list[list[int]], max_new_tokens: int, context: int, what: str) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > context:
+        raise ConfigError(
+            f"{what}: a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+            f"context of {context} tokens (model.max_seq_len); shorten the prompt or ask for fewer tokens"
+        )
+
 
 def _cmd_generate(args) -> int:
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
@@ -12,10 +36,13 @@ def _cmd_generate(args) -> int:
 
     model_dir = open_model_dir(args.run_dir, "generate")
     tok_dir = model_dir.require_tokenizer("generate")  # before the params are read
-    cfg, step, params = model_dir.load(args.step, what="generate")
+    gen = model_dir.generation("generate")
     tok = load_tokenizer(tok_dir)
     eos = special_token_ids(tok_dir, tok)["eos_token"]
+    stop_ids = tuple(dict.fromkeys(i for i in (eos, *gen.eos_ids) if i is not None))
     prompts = [tok.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]
+    _check_context(prompts, args.max_new_tokens, model_dir.config.model.max_seq_len, "generate")
+    cfg, step, params = model_dir.load(args.step, what="generate")
 
     def stop(tokens: list[int]) -> bool:
         return bool(args.stop) and any(s in tok.decode(tokens, skip_special_tokens=False) for s in args.stop)
@@ -23,15 +50,13 @@ def _cmd_generate(args) -> int:
     outs = Generator(params, cfg.model)(
         prompts,
         args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        **_sampling(args, gen, 0.0, None, None),
         seed=args.seed,
-        stop_ids=(eos,),
+        stop_ids=stop_ids,
         stop=stop,
     )
     for prompt, out in zip(args.prompt, outs):
-        text = tok.decode([t for t in out if t != eos], skip_special_tokens=False)
+        text = tok.decode([t for t in out if t not in stop_ids], skip_special_tokens=False)
         for s in args.stop:
             if s in text:
                 text = text[: text.index(s)]
@@ -41,44 +66,41 @@ def _cmd_generate(args) -> int:
 
 def _cmd_chat(args) -> int:
     from shipyard.inference.chat import load_chat_model, run_chat
+    from shipyard.runs import open_model_dir
 
+    gen = open_model_dir(args.run_dir, "chat").generation("chat")
     model = load_chat_model(args.run_dir, args.step, args.template)
-    return run_chat(
-        model,
-        system=args.system,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    sampling = _sampling(args, gen, 0.7, 50, 0.95)
+    return run_chat(model, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
 
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    ge = sub.add_parser("generate", help="complete prompts with a trained run (KV cache, batched)")
-    ge.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    model_help = "a run (newest checkpoint unless --step), an `import hf` output or a Hugging Face directory"
+    ge = sub.add_parser("generate", help="complete prompts with a model (KV cache, batched)")
+    ge.add_argument("run_dir", type=Path, metavar="MODEL_DIR", help=model_help)
     ge.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     ge.add_argument("--max-new-tokens", type=int, default=64)
-    ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ge.add_argument("--top-k", type=int, default=None)
-    ge.add_argument("--top-p", type=float, default=None)
+    sampling_help = "default: the model's generation_config.json, else "
+    ge.add_argument("--temperature", type=float, default=None, help=sampling_help + "0 (greedy)")
+    ge.add_argument("--top-k", type=int, default=None, help=sampling_help + "all tokens")
+    ge.add_argument("--top-p", type=float, default=None, help=sampling_help + "1")
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     ge.add_argument("--step", type=int, default=None, help="checkpoint step")
     ge.set_defaults(func=_cmd_generate)
 
-    ch = sub.add_parser("chat", help="talk to a chat-tuned run in the terminal (streamed replies)")
-    ch.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed replies)")
+    ch.add_argument("run_dir", type=Path, metavar="MODEL_DIR", help=model_help)
     ch.add_argument("--system", default=None, help="system message for the conversation")
     ch.add_argument("--max-new-tokens", type=int, default=256)
-    ch.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    ch.add_argument("--top-k", type=int, default=50)
-    ch.add_argument("--top-p", type=float, default=0.95)
+    ch.add_argument("--temperature", type=float, default=None, help=sampling_help + "0.7 (0 = greedy)")
+    ch.add_argument("--top-k", type=int, default=None, help=sampling_help + "50")
+    ch.add_argument("--top-p", type=float, default=None, help=sampling_help + "0.95")
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument(
         "--template",
-        choices=["auto", "shipyard", "chatml", "llama3"],
+        choices=["auto", "hf", "shipyard", "chatml", "llama3"],
         default=None,
         help="chat template (default: the one the run trained with)",
     )

@@ -37,7 +37,7 @@ class ChatModel:
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[list[int]]:
         """Reply token ids per conversation (the end-of-turn token excluded)."""
-        prompts = [self.fit(self.fmt.prompt(c), max_new_tokens) for c in conversations]
+        prompts = [self.fit(c, max_new_tokens) for c in conversations]
         if top_k is not None:  # a tiny vocabulary may have fewer tokens than k
             top_k = min(top_k, self.cfg.model.vocab_size)
         outs = self.generator(
@@ -53,15 +53,25 @@ class ChatModel:
         )
         return [[t for t in out if t != self.fmt.end_id] for out in outs]
 
-    def fit(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        """Keep the newest tokens when prompt + reply would exceed the model's context."""
+    def fit(self, conversation: list[dict], max_new_tokens: int) -> list[int]:
+        """The prompt for `conversation`, dropping its oldest exchanges (a user turn and the reply
+        after it; never the system message or the newest turn) while prompt + reply would exceed the
+        model's context. Only a newest turn longer than the context on its own is cut, to its end."""
         room = self.cfg.model.max_seq_len - max_new_tokens
         if room < 1:
             raise DataError(
                 f"chat: --max-new-tokens {max_new_tokens} leaves no room for a prompt in "
                 f"model.max_seq_len={self.cfg.model.max_seq_len}"
             )
-        return prompt[-room:]
+        messages = list(conversation)
+        while len(prompt := self.fmt.prompt(messages)) > room:
+            oldest = next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+            if oldest is None:
+                return prompt[-room:]
+            del messages[oldest]
+            if oldest < len(messages) - 1 and messages[oldest]["role"] == "assistant":
+                del messages[oldest]
+        return prompt
 
     def decode(self, ids: list[int]) -> str:
         return self.fmt.tok.decode(ids, skip_special_tokens=False)

@@ -13,6 +13,10 @@ or refuses with the reason.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 from pydantic import ValidationError
 
 from shipyard.config import ModelConfig, MoEConfig, RopeScaling, format_validation_error
@@ -286,3 +290,51 @@ def model_config_from_hf(config, where: str = "config.json", what: str = "import
         return ModelConfig(**fields)
     except ValidationError as e:  # a rule of shipyard's own schema; named in shipyard's terms
         raise DataError(f"{what}: {where}: {format_validation_error(e, ModelConfig)}") from e
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A model's own decoding settings (Hugging Face generation_config.json), used unless overridden."""
+
+    eos_ids: tuple[int, ...] = ()
+    """Every id that ends a reply (Llama 3 has several: <|end_of_text|>, <|eot_id|>, ...)."""
+    bos_id: int | None = None
+    """The begin-of-sequence id, if the model has one."""
+    temperature: float | None = None
+    """Sampling temperature; None: the command's default. 0 when do_sample is false."""
+    top_p: float | None = None
+    """Nucleus sampling mass."""
+    top_k: int | None = None
+    """Sample among the k likeliest tokens (0 or None: all)."""
+    max_length: int | None = None
+    """Prompt + reply tokens at most."""
+
+
+def read_generation_config(path: Path, what: str) -> GenerationDefaults:
+    """generation_config.json at `path`, every key it sets checked (one DataError line on a bad one)."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what}: {path} is not valid JSON ({e.msg}, line {e.lineno})") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{what}: {path} holds {type(obj).__name__}; expected a JSON object")
+    keys = _Keys(obj, str(path), what)
+    eos = obj.get("eos_token_id")
+    eos_list = [eos] if not isinstance(eos, list) else eos
+    if eos is not None and not all(_TYPES["int"][0](e) and e >= 0 for e in eos_list):
+        keys.fail("eos_token_id", eos, "a token id or a list of token ids")
+    sample = keys.get("do_sample", "bool", False)
+    top_p = keys.get("top_p", "number", None, minimum=0)
+    if top_p is not None and top_p > 1:
+        keys.fail("top_p", top_p, "a number in (0, 1]")
+    return GenerationDefaults(
+        eos_ids=tuple(eos_list) if eos is not None else (),
+        bos_id=keys.get("bos_token_id", "int", None, minimum=0, exclusive=False),
+        temperature=keys.get("temperature", "number", None, minimum=0, exclusive=False) if sample else 0.0,
+        top_p=top_p if sample else None,
+        top_k=keys.get("top_k", "int", None, minimum=0, exclusive=False) if sample else None,
+        max_length=keys.get("max_length", "int", None, minimum=0),
+    )
