@@ -10,6 +10,11 @@ The loss covers what the model must learn to produce: every assistant
 message's content and the end-of-turn token that closes it (so the model
 learns to stop); system and user turns, role headers and padding are context.
 
+Template `hf` is the tokenizer's own Jinja chat template (data/hf_template.py),
+rendered as transformers renders it: there the special tokens are written in
+the text and parsed by the tokenizer, as `apply_chat_template` does, and the
+mask is derived from the rendering (the same rule: content + end-of-turn).
+
 Packing puts several conversations into one training sequence. Each keeps
 its own segment id (attention never crosses into another conversation) and
 its own positions starting at 0, so a packed conversation trains exactly as
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shipyard.data.hf_template import HFChat, HFTemplate, load_hf_template
 from shipyard.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -77,8 +83,20 @@ TEMPLATES = {
 }
 
 
-def pick_template(name: str, tok) -> Template:
-    """The named template, or for "auto" the first whose special tokens the tokenizer has."""
+def pick_template(name: str, tok, tok_path: str | Path | None = None) -> Template | HFTemplate:
+    """The named template; "hf" is the tokenizer's own chat template (from the tokenizer directory
+    `tok_path`); "auto" is that one when the directory has it, else the first built-in template whose
+    special tokens the tokenizer has."""
+    if name == "hf" or (name == "auto" and tok_path is not None):
+        hf = load_hf_template(tok_path) if tok_path is not None else None
+        if hf is not None:
+            return hf
+        if name == "hf":
+            where = f"{tok_path} has none" if tok_path is not None else "no tokenizer directory was given"
+            raise DataError(
+                f"data.chat.template: hf needs the tokenizer's own chat template, and {where} (no chat_template "
+                "in tokenizer_config.json, no chat_template.jinja); use shipyard, chatml or llama3"
+            )
     vocab = tok.get_vocab(with_added_tokens=True)
     if name != "auto":
         missing = sorted(t for t in TEMPLATES[name].specials() if t not in vocab)
@@ -100,10 +118,16 @@ def pick_template(name: str, tok) -> Template:
 class ChatFormat:
     """A tokenizer plus a template: renders conversations to token ids and loss masks."""
 
-    def __init__(self, tok, template: Template):
+    def __init__(self, tok, template: Template | HFTemplate):
         self.tok, self.template = tok, template
-        self._ids = {t: tok.token_to_id(t) for t in template.specials()}
-        self.end_id = self._ids[template.end]
+        self._hf = HFChat(tok, template) if isinstance(template, HFTemplate) else None
+        if self._hf is not None:
+            self.end_ids = self._hf.end_ids
+        else:
+            self._ids = {t: tok.token_to_id(t) for t in template.specials()}
+            self.end_ids = (self._ids[template.end],)
+        self.end_id = self.end_ids[0]
+        """The end-of-turn token (the stop token when generating); `end_ids` also holds the tokenizer's eos for hf."""
 
     def _pieces(self, pieces, trained: bool, ids: list[int], mask: list[int]) -> None:
         for kind, text in pieces:
@@ -118,6 +142,8 @@ class ChatFormat:
     def render(self, messages: list[dict], generation_prompt: bool = False) -> tuple[list[int], list[int]]:
         """(token ids, 1 where the token is trained) of a conversation; with `generation_prompt` it ends
         with the assistant header, ready for the model to write the next reply."""
+        if self._hf is not None:
+            return self._hf.render(messages, generation_prompt)
         t = self.template
         ids: list[int] = []
         mask: list[int] = []
@@ -135,6 +161,9 @@ class ChatFormat:
         return ids, mask
 
     def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids of the conversation and the generation prompt (the assistant header)."""
+        if self._hf is not None:
+            return self._hf.prompt(messages)
         return self.render(messages, generation_prompt=True)[0]
 
 

@@ -8,6 +8,7 @@ the same rows (and the run header records the files' and tokenizer's hashes).
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from shipyard.data.chat_format import (
     pick_template,
     read_conversations,
 )
+from shipyard.data.hf_template import TEMPLATE_FILE, HFTemplate
 from shipyard.data.shards import file_sha256
 from shipyard.data.tokenizer import load_tokenizer, tokenizer_sha256
 from shipyard.errors import DataError
@@ -28,8 +30,9 @@ from shipyard.runs import chat_tokenizer_path
 
 
 def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
+    """The tokenizer at tok_path with the named template ("auto": its own HF chat template when it has one)."""
     tok = load_tokenizer(tok_path)
-    return ChatFormat(tok, pick_template(template, tok))
+    return ChatFormat(tok, pick_template(template, tok, tok_path))
 
 
 def load_chat_data(cfg: Config) -> dict:
@@ -48,7 +51,12 @@ def load_chat_data(cfg: Config) -> dict:
     def packed(path: str, seed: int | None):
         conversations = read_conversations(path)
         bar = progress(conversations, desc=f"render {Path(path).name}", unit="conv")
-        rendered = [fmt.render(messages) for messages in bar]
+        rendered = []
+        for n, messages in enumerate(bar, 1):
+            try:
+                rendered.append(fmt.render(messages))
+            except DataError as e:  # the template refused this conversation (e.g. raise_exception)
+                raise DataError(f"data.chat: {path} conversation {n}: {e}") from e
         return pack(rendered, seq_len, pad, seed, chat.pack)
 
     train = packed(chat.train, cfg.train.seed)
@@ -57,6 +65,9 @@ def load_chat_data(cfg: Config) -> dict:
     if chat.validation is not None:
         inputs["chat_validation"] = {"path": str(chat.validation), "sha256": file_sha256(chat.validation)}
     inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
+    if isinstance(fmt.template, HFTemplate):
+        source = fmt.template.source.encode()
+        inputs["chat_template"] = {"path": fmt.template.where, "sha256": hashlib.sha256(source).hexdigest()}
     summary = (
         f"shipyard: chat data: {train.conversations} conversations ({fmt.template.name} template) in "
         f"{len(train)} rows of {seq_len + 1} tokens, {train.fill():.0%} filled, "
@@ -73,9 +84,10 @@ def load_chat_data(cfg: Config) -> dict:
 
 
 def copy_tokenizer(tok_path: Path, dest: Path) -> None:
-    """tokenizer.json (and tokenizer_config.json when present) into dest/."""
+    """tokenizer.json (and tokenizer_config.json and chat_template.jinja when present) into dest/."""
     src = tok_path if tok_path.is_dir() else tok_path.parent
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path, dest / "tokenizer.json")
-    if (src / "tokenizer_config.json").is_file():
-        shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
+    for name in ("tokenizer_config.json", TEMPLATE_FILE):
+        if (src / name).is_file():
+            shutil.copy(src / name, dest / name)
