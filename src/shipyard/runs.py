@@ -20,7 +20,7 @@ is missing" is said the same way everywhere, prefixed by the command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +51,8 @@ class ModelDir:
     """Its resolved config.yaml (for an HF directory: the config `import hf` would write)."""
     steps: tuple[int, ...]
     """Complete checkpoint steps, newest first (empty for an import)."""
+    tokenizer_dir: Path | None = None
+    """A tokenizer given by the user (`--tokenizer`), used instead of the model's own."""
 
     def step(self, step: int | None = None, what: str = "load") -> int | None:
         """The checkpoint `step` (default: the newest); a RunDirError naming what is missing."""
@@ -74,14 +76,16 @@ class ModelDir:
 
     def tokenizer(self) -> Path | None:
         """The directory holding the tokenizer.json this model speaks, or None."""
+        if self.tokenizer_dir is not None:
+            return self.tokenizer_dir
         return tokenizer_of(self.config, self.path)
 
     def require_tokenizer(self, what: str) -> Path:
         found = self.tokenizer()
         if found is None:
             raise DataError(
-                f"{what}: no tokenizer found for {self.path} (expected <run>/tokenizer/tokenizer.json "
-                "or a token-shard directory with a tokenizer.json)"
+                f"{what}: {self.path} has no tokenizer (a model trained on byte or id .npy files records "
+                "none); give one with --tokenizer DIR (a directory holding tokenizer.json)"
             )
         return found
 
@@ -167,8 +171,20 @@ def _read_hf_params(path: Path, specs, shardings, what: str):
     return jax.device_put(params, shardings)
 
 
-def open_model_dir(path: str | Path, what: str) -> ModelDir:
-    """The model directory at `path`; `what` (the command) prefixes every error."""
+def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = None) -> ModelDir:
+    """The model directory at `path`; `what` (the command) prefixes every error. `tokenizer` (a
+    directory or a tokenizer.json) replaces the model's own."""
+    model_dir = _open(Path(path), what)
+    if tokenizer is None:
+        return model_dir
+    tok = Path(tokenizer)
+    tok = tok.parent if tok.name == "tokenizer.json" else tok
+    if not (tok / "tokenizer.json").is_file():
+        raise DataError(f"{what}: --tokenizer {tokenizer} holds no tokenizer.json")
+    return replace(model_dir, tokenizer_dir=tok)
+
+
+def _open(path: Path, what: str) -> ModelDir:
     from shipyard.interop.hf import is_hf_dir, read_hf_config, run_config_for
     from shipyard.train.checkpoint import available_steps, checkpoint_dir
 

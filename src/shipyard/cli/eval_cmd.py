@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shipyard.cli.args import add_model_dir
 from shipyard.errors import ConfigError
 
 
@@ -26,11 +27,15 @@ def _cmd_eval(args) -> int:
                 f"eval --task {item!r}: expected mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl"
             )
         tasks.append((kind, path))
-    report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step)
-    out = args.out or args.run_dir / "eval.json"
+    report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step, args.tokenizer)
     from shipyard.output import write_atomic
+    from shipyard.runs import open_model_dir
 
-    write_atomic(Path(out), json.dumps(report.to_json(), indent=2) + "\n")
+    out = args.out
+    if out is None and open_model_dir(args.run_dir, "eval").kind == "run":
+        out = args.run_dir / "eval.json"  # an import or HF directory is read, never written into
+    if out is not None:
+        write_atomic(Path(out), json.dumps(report.to_json(), indent=2) + "\n")
     for name, m in report.domains.items():
         bpb = f", {m.bits_per_byte:.4f} bits/byte" if m.bits_per_byte else ""
         print(f"{name}: loss {m.loss:.4f}, perplexity {m.perplexity:.2f}{bpb} ({m.tokens:,} tokens)")
@@ -43,14 +48,14 @@ def _cmd_eval(args) -> int:
                 if not isinstance(v, (list, dict))  # examples stay in the JSON report
             )
         )
-    print(f"wrote {out}")
+    print(f"wrote {out}" if out is not None else "(report not written: give --out FILE)")
     return 0
 
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
     ev = sub.add_parser("eval", help="held-out loss / perplexity / bits-per-byte and log-likelihood tasks")
-    ev.add_argument("run_dir", type=Path, help="run directory (its newest checkpoint unless --step)")
+    add_model_dir(ev)
     ev.add_argument(
         "--tokens", action="append", default=[], metavar="NAME=DIR", help="a held-out token-shard set"
     )
@@ -62,6 +67,10 @@ def register(sub) -> None:
         help="mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl (exact match of the last assistant reply)",
     )
     ev.add_argument("--max-sequences", type=int, default=64, help="sequences scored per token set")
-    ev.add_argument("--step", type=int, default=None, help="checkpoint step")
-    ev.add_argument("--out", type=Path, default=None, help="JSON report (default RUN_DIR/eval.json)")
+    ev.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON report (default: <run>/eval.json for a run; imports and HF directories are not written into)",
+    )
     ev.set_defaults(func=_cmd_eval)

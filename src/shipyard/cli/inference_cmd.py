@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from shipyard.cli.args import add_model_dir
 from shipyard.errors import ConfigError
 
 
@@ -34,7 +33,7 @@ def _cmd_generate(args) -> int:
     from shipyard.inference.generate import Generator
     from shipyard.runs import open_model_dir
 
-    model_dir = open_model_dir(args.run_dir, "generate")
+    model_dir = open_model_dir(args.run_dir, "generate", args.tokenizer)
     tok_dir = model_dir.require_tokenizer("generate")  # before the params are read
     gen = model_dir.generation("generate")
     tok = load_tokenizer(tok_dir)
@@ -68,17 +67,17 @@ def _cmd_chat(args) -> int:
     from shipyard.inference.chat import load_chat_model, run_chat
     from shipyard.runs import open_model_dir
 
-    gen = open_model_dir(args.run_dir, "chat").generation("chat")
-    model = load_chat_model(args.run_dir, args.step, args.template)
+    model_dir = open_model_dir(args.run_dir, "chat", args.tokenizer)
+    gen = model_dir.generation("chat")
+    model = load_chat_model(model_dir, args.step, args.template)
     sampling = _sampling(args, gen, 0.7, 50, 0.95)
     return run_chat(model, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
 
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    model_help = "a run (newest checkpoint unless --step), an `import hf` output or a Hugging Face directory"
     ge = sub.add_parser("generate", help="complete prompts with a model (KV cache, batched)")
-    ge.add_argument("run_dir", type=Path, metavar="MODEL_DIR", help=model_help)
+    add_model_dir(ge)
     ge.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     ge.add_argument("--max-new-tokens", type=int, default=64)
     sampling_help = "default: the model's generation_config.json, else "
@@ -87,11 +86,10 @@ def register(sub) -> None:
     ge.add_argument("--top-p", type=float, default=None, help=sampling_help + "1")
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    ge.add_argument("--step", type=int, default=None, help="checkpoint step")
     ge.set_defaults(func=_cmd_generate)
 
     ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed replies)")
-    ch.add_argument("run_dir", type=Path, metavar="MODEL_DIR", help=model_help)
+    add_model_dir(ch)
     ch.add_argument("--system", default=None, help="system message for the conversation")
     ch.add_argument("--max-new-tokens", type=int, default=256)
     ch.add_argument("--temperature", type=float, default=None, help=sampling_help + "0.7 (0 = greedy)")
@@ -104,5 +102,4 @@ def register(sub) -> None:
         default=None,
         help="chat template (default: the one the run trained with)",
     )
-    ch.add_argument("--step", type=int, default=None, help="checkpoint step")
     ch.set_defaults(func=_cmd_chat)

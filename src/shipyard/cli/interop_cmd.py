@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import Parser
+from shipyard.cli.args import Parser, add_model_dir
 from shipyard.output import refuse_existing
 
 
@@ -12,7 +12,7 @@ def _cmd_export_hf(args) -> int:
     from shipyard.interop.hf import write_hf_dir
     from shipyard.runs import open_model_dir
 
-    model_dir = open_model_dir(args.run_dir, "export hf")
+    model_dir = open_model_dir(args.run_dir, "export hf", args.tokenizer)
     refuse_existing(args.out, "export hf")  # before the params are read: refusing should be instant
     # Params stay sharded on the local devices; tensors reach the host one at a time.
     weights = model_dir.load(args.step, to_host=False, what="export hf")
@@ -52,14 +52,13 @@ def _cmd_import_hf(args) -> int:
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    ex = sub.add_parser("export", help="export a run's checkpoint to another format")
+    ex = sub.add_parser("export", help="export a model (a run's checkpoint, an import) to another format")
     ex_sub = ex.add_subparsers(dest="export_command", required=True, parser_class=Parser)
     exh = ex_sub.add_parser(
         "hf", help="Hugging Face Llama directory (config.json, model.safetensors, tokenizer)"
     )
-    exh.add_argument("run_dir", type=Path, help="run directory holding checkpoints/")
+    add_model_dir(exh)
     exh.add_argument("out", type=Path, help="output directory (must not exist)")
-    exh.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     exh.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors above this size")
     exh.set_defaults(func=_cmd_export_hf)
     exp = ex_sub.add_parser(

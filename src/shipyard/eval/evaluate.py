@@ -43,16 +43,17 @@ def run_eval(
     tasks: list[tuple[str, str]],
     max_sequences: int = 64,
     step: int | None = None,
+    tokenizer: Path | None = None,
 ) -> EvalReport:
     from shipyard.data.tokenizer import load_tokenizer
     from shipyard.runs import open_model_dir
 
-    model_dir = open_model_dir(run_dir, "eval")
+    model_dir = open_model_dir(run_dir, "eval", tokenizer)
     cfg, step, params = model_dir.load(step, what="eval")
     tok_dir = model_dir.tokenizer()
     tok = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tasks and tok is None:
-        raise DataError(f"eval: tasks need a tokenizer, and none sits next to the training data of {run_dir}")
+        model_dir.require_tokenizer("eval --task")
     params = jax.tree.map(jnp.asarray, params)
     report = EvalReport(str(run_dir), step)
     for name, path in domains.items():

@@ -91,11 +91,11 @@ def chat_model(cfg, params, tok_dir: Path, template: str | None = None) -> ChatM
     return ChatModel(cfg, Generator(jax.tree.map(jnp.asarray, params), cfg.model), fmt)
 
 
-def load_chat_model(run_dir: str | Path, step: int | None = None, template: str | None = None) -> ChatModel:
+def load_chat_model(model, step: int | None = None, template: str | None = None) -> ChatModel:
     """The run's newest (or `step`) checkpoint as a ChatModel (fine-tuning runs merged with their base)."""
-    from shipyard.runs import open_model_dir
+    from shipyard.runs import ModelDir, open_model_dir
 
-    model_dir = open_model_dir(run_dir, "chat")
+    model_dir = model if isinstance(model, ModelDir) else open_model_dir(model, "chat")
     cfg, _, params = model_dir.load(step, what="chat")
     return chat_model(cfg, params, model_dir.require_tokenizer("chat"), template)
 
