@@ -93,3 +93,89 @@ def test_a_directory_that_is_no_model_says_what_it_lacks(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "empty"), "--prompt", "x"]) == 4
     err = capsys.readouterr().err
     assert err.startswith("error: generate: ") and "neither config.yaml nor config.json" in err
+
+
+def _hf_chat_reply(byo, messages, max_new_tokens: int) -> str:
+    """transformers: apply_chat_template(..., add_generation_prompt=True), greedy, up to <|im_end|>."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(byo["hf"]))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = byo["model"].generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, len(ids) :].tolist()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return byo["tok"].decode(new[: new.index(end)] if end in new else new, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("which", ["hf", "imported"])
+def test_chat_in_a_terminal_equals_transformers_on_the_models_own_template(byo, which):
+    """The model's template injects a default system prompt; shipyard's reply must be what
+    transformers generates on apply_chat_template, first turn and second."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from test_finetune import _read_until
+
+    first = [{"role": "user", "content": "the model reads"}]
+    want1 = _hf_chat_reply(byo, first, 12)
+    second = [*first, {"role": "assistant", "content": want1}, {"role": "user", "content": "upper value"}]
+    want2 = _hf_chat_reply(byo, second, 12)
+    master, slave = pty.openpty()
+    env = dict(os.environ, XLA_FLAGS="", SHIPYARD_NO_REEXEC="1")
+    cmd = [sys.executable, "-m", "shipyard.cli", "chat", str(byo[which]), "--temperature", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--max-new-tokens", "12"], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+    )
+    os.close(slave)
+    try:
+        _read_until(master, b"you> ")
+        for text, want in (("the model reads", want1), ("upper value", want2)):
+            os.write(master, text.encode() + b"\n")
+            reply = _read_until(master, b"you> ").decode()
+            streamed = reply.split("assistant> ", 1)[1].rsplit("you> ", 1)[0].replace("\r\n", "\n")
+            assert streamed == want + "\n"
+        os.write(master, b"\x04")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_lora_on_the_hf_directory_then_export_peft(byo, tmp_path):
+    """LoRA SFT straight from the HF directory (its tokenizer and template), then a PEFT directory
+    that peft loads on the original model with shipyard's logits."""
+    peft = pytest.importorskip("peft")
+    from chat_fixtures import QUIET, upper_task, write_chats
+
+    from shipyard.model.transformer import logits
+    from shipyard.runs import load_model
+
+    train = write_chats(tmp_path / "train.jsonl", upper_task(0, 64))
+    run = tmp_path / "lora"
+    args = [
+        "train",
+        str(byo["hf"]),  # the HF directory is the config: its model, trained from its weights
+        f"run.out_dir={tmp_path}",
+        "run.name=lora",
+        "data.seq_len=96",
+        f"data.chat={{train: {train}}}",
+        "train.steps=6",
+        "train.optimizer.lr=1e-2",
+        "train.finetune={lora: {rank: 4, targets: [q, v]}}",
+        *QUIET,
+    ]
+    assert main(args) == 0
+    assert (run / "tokenizer" / "tokenizer.json").is_file()
+    assert main(["export", "peft", str(run), str(tmp_path / "adapter"), "--base", str(byo["hf"])]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(byo["hf"]), torch_dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    tokens = np.array([byo["tok"].encode("upper value parse").ids], np.int32)
+    cfg, _, params = load_model(run)
+    ours = np.asarray(logits(params, tokens, cfg.model))
+    with torch.no_grad():
+        theirs = adapted(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    plain = np.asarray(logits(load_model(byo["hf"]).params, tokens, cfg.model))
+    assert np.abs(plain - ours).max() > 1e-4  # the adapters trained: the comparison is not vacuous

@@ -190,8 +190,8 @@ class ChatDataConfig(Schema):
     """Held-out conversations (same format) for the in-loop val_loss (train.eval_every), on assistant tokens only."""
     tokenizer: str | None = None
     """tokenizer.json (or a directory holding one); null takes the tokenizer of train.init_from (a run or an `import hf` directory)."""
-    template: Literal["auto", "shipyard", "chatml", "llama3"] = "auto"
-    """Chat template: shipyard (<|system|>/<|user|>/<|assistant|> ... <|end|>), chatml (<|im_start|>role ... <|im_end|>), llama3 (<|start_header_id|>role<|end_header_id|> ... <|eot_id|>); auto picks the one whose special tokens the tokenizer has."""
+    template: Literal["auto", "hf", "shipyard", "chatml", "llama3"] = "auto"
+    """Chat template: hf (the tokenizer's own Hugging Face Jinja template: chat_template in tokenizer_config.json or chat_template.jinja), shipyard (<|system|>/<|user|>/<|assistant|> ... <|end|>), chatml (<|im_start|>role ... <|im_end|>), llama3 (<|start_header_id|>role<|end_header_id|> ... <|eot_id|>); auto picks hf when the tokenizer has a template, else the built-in whose special tokens it has."""
     pack: bool = True
     """Pack several conversations into each sequence (attention and positions restart at each one); false: one conversation per sequence, padded."""
 

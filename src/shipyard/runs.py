@@ -94,13 +94,17 @@ class ModelDir:
         model it was trained from), or the empty defaults when it has none."""
         from shipyard.interop.hf_config import GenerationDefaults, read_generation_config
 
+        found = self.generation_file()
+        return GenerationDefaults() if found is None else read_generation_config(found, what)
+
+    def generation_file(self) -> Path | None:
+        """Where the model's generation_config.json is, if it has one."""
         places = [self.path, self.path / "tokenizer"]
         if self.init_from is not None:
             places += [self.init_from, self.init_from.parent]  # an import's params/ sits in the import
-        for place in places:
-            if (place / "generation_config.json").is_file():
-                return read_generation_config(place / "generation_config.json", what)
-        return GenerationDefaults()
+        return next(
+            (p / "generation_config.json" for p in places if (p / "generation_config.json").is_file()), None
+        )
 
     def load(self, step: int | None = None, *, to_host: bool = True, what: str = "load") -> Weights:
         """Params only (no optimizer state is read), sharded over the local devices (fsdp over all of

@@ -15,6 +15,9 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
+CONFIG_HELP = (
+    "preset name, YAML file, or a model directory to start from (run, `import hf` output, HF directory)"
+)
 MODEL_DIR_HELP = (
     "a run (its newest checkpoint unless --step), an `import hf` output or a Hugging Face directory"
 )
@@ -30,3 +33,21 @@ def add_model_dir(p: argparse.ArgumentParser, help: str = MODEL_DIR_HELP) -> Non
         default=None,
         help="a tokenizer directory (or tokenizer.json) instead of the model's own; models trained on .npy ids have none",
     )
+
+
+def load_config_arg(source: str, overrides, what: str):
+    """The config a command is given: a preset name, a YAML file, or a model directory (a run, an
+    `import hf` output, a Hugging Face directory): its model, trained from its weights."""
+    from shipyard.config import apply_overrides, build_config, load_config
+
+    path = Path(source)
+    if not path.is_dir():
+        return load_config(source, list(overrides))
+    from shipyard.runs import open_model_dir
+
+    model_dir = open_model_dir(path, what)
+    base = model_dir.config.model_dump(mode="json")
+    base["train"]["init_from"] = str(path.absolute())
+    if model_dir.kind == "run":  # starting from a run's weights is a new run, not its fine-tuning setup
+        base["train"]["finetune"] = None
+    return build_config(apply_overrides(base, list(overrides)))

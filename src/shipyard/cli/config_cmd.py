@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shipyard.cli.args import Parser
+from shipyard.cli.args import CONFIG_HELP, Parser, load_config_arg
 
 
 def _human(n: float) -> str:
@@ -15,11 +15,11 @@ def _human(n: float) -> str:
 
 
 def _cmd_config_show(args) -> int:
-    from shipyard.config import load_config, to_yaml
+    from shipyard.config import to_yaml
     from shipyard.model.transformer import num_active_params, num_params
     from shipyard.train.metrics import flops_per_token
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config_arg(args.config, args.overrides, "config show")
     sys.stdout.write(to_yaml(cfg))
     total, active = num_params(cfg.model), num_active_params(cfg.model)
     sys.stdout.write(f"# parameters: {total} ({_human(total)})\n")
@@ -44,6 +44,6 @@ def register(sub) -> None:
     show = cfg_sub.add_parser(
         "show", help="print the resolved config as YAML, ending with the parameter count"
     )
-    show.add_argument("config", help="preset name or YAML file")
+    show.add_argument("config", help=CONFIG_HELP)
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.optimizer.lr=3e-4")
     show.set_defaults(func=_cmd_config_show)

@@ -17,9 +17,9 @@ def _cmd_export_hf(args) -> int:
     # Params stay sharded on the local devices; tensors reach the host one at a time.
     weights = model_dir.load(args.step, to_host=False, what="export hf")
     tok_dir = model_dir.tokenizer()
-    files = write_hf_dir(
-        weights.params, weights.config.model, args.out, tok_dir, int(args.max_shard_gb * (1 << 30))
-    )
+    shard_bytes = int(args.max_shard_gb * (1 << 30))
+    gen = model_dir.generation_file()
+    files = write_hf_dir(weights.params, weights.config.model, args.out, tok_dir, shard_bytes, gen)
     tok = f", tokenizer from {tok_dir}" if tok_dir else " (no tokenizer found next to the run's data)"
     what = "the imported model" if weights.step is None else f"checkpoint {weights.step}"
     print(f"exported {what} of {args.run_dir} to {args.out}: {', '.join(files)}{tok}")

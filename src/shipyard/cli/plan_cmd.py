@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from shipyard.cli.args import CONFIG_HELP, load_config_arg
 from shipyard.errors import ConfigError
 
 
@@ -12,10 +13,9 @@ def _cmd_plan(args) -> int:
     import json
     from dataclasses import replace
 
-    from shipyard.config import load_config
     from shipyard.plan import DEVICES, parse_bytes, parse_mesh, plan, render
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config_arg(args.config, args.overrides, "plan")
     sizes = parse_mesh(args.mesh)
     device = DEVICES[args.device]
     if args.device_memory:
@@ -37,7 +37,7 @@ def register(sub) -> None:
         "plan",
         help="memory, FLOPs, time and fit of a config on a mesh (analytic + compiled), before you rent it",
     )
-    pl.add_argument("config", help="preset name or YAML file")
+    pl.add_argument("config", help=CONFIG_HELP)
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full")
     pl.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,fsdp=8,tensor=1,expert=4")
     pl.add_argument("--device", default="h100", choices=["h100", "h200", "a100", "tpu-v5p", "cpu"])

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shipyard.cli.args import CONFIG_HELP, load_config_arg
 from shipyard.errors import ConfigError
 
 
 def _cmd_train(args) -> int:
-    from shipyard.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config_arg(args.config, args.overrides, "train")
     from shipyard.train.trainer import train
 
     profile = None
@@ -33,10 +33,11 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_launch(args) -> int:
-    from shipyard.config import load_config
     from shipyard.parallel.launch import launch_local, launch_ray
 
-    load_config(args.config, args.overrides)  # a bad config fails here, once, not in every process
+    load_config_arg(
+        args.config, args.overrides, "launch"
+    )  # a bad config fails here, once, not in every process
     train_args = [args.config, *args.overrides]
     if args.run_dir is not None:
         train_args += ["--run-dir", str(args.run_dir)]
@@ -51,7 +52,7 @@ def _cmd_launch(args) -> int:
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
     tr = sub.add_parser("train", help="train a model")
-    tr.add_argument("config", help="preset name or YAML file")
+    tr.add_argument("config", help=CONFIG_HELP)
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument(
         "--run-dir", type=Path, default=None, help="run directory (default: run.out_dir/run.name)"
@@ -75,7 +76,7 @@ def register(sub) -> None:
     tr.set_defaults(func=_cmd_train)
 
     la = sub.add_parser("launch", help="run `train` as one JAX cluster of several processes (local or Ray)")
-    la.add_argument("config", help="preset name or YAML file")
+    la.add_argument("config", help=CONFIG_HELP)
     la.add_argument("overrides", nargs="*", help="dotted overrides, passed to every process")
     la.add_argument("--processes", type=int, default=None, help="number of processes (local: required)")
     la.add_argument(

@@ -47,11 +47,11 @@ class ChatModel:
             top_k=top_k,
             top_p=top_p,
             seed=seed,
-            stop_ids=(self.fmt.end_id,),
+            stop_ids=self.fmt.end_ids,
             on_token=on_token,
             pad_multiple=16,
         )
-        return [[t for t in out if t != self.fmt.end_id] for out in outs]
+        return [[t for t in out if t not in self.fmt.end_ids] for out in outs]
 
     def fit(self, conversation: list[dict], max_new_tokens: int) -> list[int]:
         """The prompt for `conversation`, dropping its oldest exchanges (a user turn and the reply
@@ -108,11 +108,11 @@ class TextStream:
         self.ids: list[int] = []
         self.shown = 0
 
-    def on_token(self, end_id: int) -> Callable[[int, int], None]:
-        """A Generator on_token callback for one row that streams everything but the end token."""
+    def on_token(self, end_ids: Sequence[int]) -> Callable[[int, int], None]:
+        """A Generator on_token callback for one row that streams everything but the end tokens."""
 
         def push(_row: int, token: int) -> None:
-            if token != end_id:
+            if token not in end_ids:
                 self.push(token)
 
         return push
@@ -184,7 +184,7 @@ def run_chat(
             top_k=top_k,
             top_p=top_p,
             seed=seed + turn,
-            on_token=stream.on_token(model.fmt.end_id),
+            on_token=stream.on_token(model.fmt.end_ids),
         )[0]
         write("\n")
         history.append({"role": "assistant", "content": model.decode(reply)})

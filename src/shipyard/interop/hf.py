@@ -300,11 +300,17 @@ def run_config_for(model: ModelConfig, init_from: Path) -> dict:
 
 
 def write_hf_dir(
-    params, cfg: ModelConfig, out: Path, tokenizer_dir: Path | None, max_shard_bytes: int = 5 << 30
+    params,
+    cfg: ModelConfig,
+    out: Path,
+    tokenizer_dir: Path | None,
+    max_shard_bytes: int = 5 << 30,
+    generation_file: Path | None = None,
 ) -> list[str]:
     """Write a transformers-loadable Llama (or Mixtral, Qwen2, Mistral) directory, atomically: the
-    safetensors shards, config.json, generation_config.json and the tokenizer files. `params` may be
-    sharded device arrays: tensors reach the host one at a time. Returns the safetensors file names."""
+    safetensors shards, config.json, generation_config.json (the model's own `generation_file` when it
+    has one) and the tokenizer files with its chat template. `params` may be sharded device arrays:
+    tensors reach the host one at a time. Returns the safetensors file names."""
     import shutil
 
     from shipyard.output import atomic_dir
@@ -324,8 +330,10 @@ def write_hf_dir(
             "do_sample": False,
         }
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if generation_file is not None:
+            shutil.copy(generation_file, tmp / "generation_config.json")
         if tokenizer_dir is not None:
-            for name in ("tokenizer.json", "tokenizer_config.json"):
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
                 if (tokenizer_dir / name).is_file():
                     shutil.copy(tokenizer_dir / name, tmp / name)
     return files

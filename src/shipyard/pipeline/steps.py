@@ -155,7 +155,9 @@ def _export_hf(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     model_dir = open_model_dir(run, "export-hf")
     weights = model_dir.load(to_host=False, what="export-hf")
     tok_dir = model_dir.tokenizer()
-    files = write_hf_dir(weights.params, weights.config.model, out, tok_dir)
+    files = write_hf_dir(
+        weights.params, weights.config.model, out, tok_dir, generation_file=model_dir.generation_file()
+    )
     return {"step": weights.step, "files": files, "tokenizer": str(tok_dir) if tok_dir else None}
 
 
