@@ -220,6 +220,63 @@ def moe_metrics(stats: MoEStats) -> dict[str, jax.Array]:
     }
 
 
+def _optimizer_update(optimizer, state: TrainState, grads, lr, finite, stats, bias_rate: float):
+    """(params, opt_state, update norm): the optimizer's step scaled by `lr` when `finite`, else
+    the state's own params and optimizer state (and a zero norm)."""
+
+    def apply(_):
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updates = jax.tree.map(lambda u: lr * u, updates)
+        params = optax.apply_updates(state.params, updates)
+        if bias_rate > 0:
+            params = _balance_router_bias(params, stats, bias_rate)
+        return params, opt_state, optax.tree.norm(updates)
+
+    def skip(_):
+        return state.params, state.opt_state, jnp.zeros((), jnp.float32)
+
+    # A cond, not a select: a skipped step costs nothing and a normal step
+    # does not pay for an extra pass over params and optimizer state.
+    return jax.lax.cond(finite, apply, skip, None)
+
+
+def _next_loss_scale(precision, state: TrainState, finite) -> tuple[jax.Array, jax.Array]:
+    """(loss_scale, good_steps) after this step: fp16 halves the scale on overflow and doubles it
+    after `loss_scale_growth_interval` good steps; other dtypes keep 1.0."""
+    if precision.compute_dtype != "float16":
+        return state.loss_scale, state.good_steps
+    grown = state.good_steps + 1 >= precision.loss_scale_growth_interval
+    loss_scale = jnp.where(
+        finite,
+        jnp.where(grown, state.loss_scale * 2, state.loss_scale),
+        jnp.maximum(state.loss_scale / 2, 1.0),
+    )
+    good_steps = jnp.where(finite & ~grown, state.good_steps + 1, 0)
+    return loss_scale, good_steps
+
+
+def _step_metrics(state: TrainState, new_state: TrainState, sums: LossSums, stats, values: dict) -> dict:
+    """The per-step metrics (the fields of metrics.jsonl): losses per trained token, norms, counters;
+    `values` holds the step's lr, grad_norm, update_norm and skipped."""
+    total_tokens = jnp.maximum(sums.tokens, 1.0)
+    metrics = {
+        "loss": sums.ce / total_tokens,
+        "z_loss": sums.z / total_tokens,
+        "entropy": sums.entropy / total_tokens,
+        "lr": values["lr"],
+        "grad_norm": values["grad_norm"],
+        "param_norm": optax.tree.norm(new_state.params),
+        "update_norm": values["update_norm"],
+        "loss_scale": state.loss_scale,
+        "skipped": values["skipped"],
+        "nonfinite_total": new_state.nonfinite,
+        "nonfinite_run": new_state.nonfinite_run,
+    }
+    if stats is not None:
+        metrics.update(moe_metrics(stats))
+    return metrics
+
+
 def make_train_step(
     cfg: Config,
     optimizer: optax.GradientTransformation,
@@ -255,40 +312,15 @@ def make_train_step(
         # Dropout masks are a pure function of (seed, step): a resumed run draws the same ones.
         key = jax.random.fold_in(jax.random.key(train.seed + 1), state.step) if dropout else None
         grads, sums, stats = gradients(state.params, frozen, batch, state.loss_scale, key)
-        total_tokens = jnp.maximum(sums.tokens, 1.0)
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
-
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums.ce) & jnp.isfinite(sums.z)
         lr = schedule(state.step)
-
-        def apply(_):
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            updates = jax.tree.map(lambda u: lr * u, updates)
-            params = optax.apply_updates(state.params, updates)
-            if bias_rate > 0:
-                params = _balance_router_bias(params, stats, bias_rate)
-            return params, opt_state, optax.tree.norm(updates)
-
-        def skip(_):
-            return state.params, state.opt_state, jnp.zeros((), jnp.float32)
-
-        # A cond, not a select: a skipped step costs nothing and a normal step
-        # does not pay for an extra pass over params and optimizer state.
-        params, opt_state, update_norm = jax.lax.cond(finite, apply, skip, None)
-
-        if fp16:
-            grown = state.good_steps + 1 >= train.precision.loss_scale_growth_interval
-            loss_scale = jnp.where(
-                finite,
-                jnp.where(grown, state.loss_scale * 2, state.loss_scale),
-                jnp.maximum(state.loss_scale / 2, 1.0),
-            )
-            good_steps = jnp.where(finite & ~grown, state.good_steps + 1, 0)
-        else:
-            loss_scale, good_steps = state.loss_scale, state.good_steps
-
+        params, opt_state, update_norm = _optimizer_update(
+            optimizer, state, grads, lr, finite, stats, bias_rate
+        )
+        loss_scale, good_steps = _next_loss_scale(train.precision, state, finite)
         skipped = (~finite).astype(jnp.int32)
         new_state = TrainState(
             step=state.step + 1,
@@ -299,22 +331,8 @@ def make_train_step(
             nonfinite=state.nonfinite + skipped,
             nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
         )
-        metrics = {
-            "loss": sums.ce / total_tokens,
-            "z_loss": sums.z / total_tokens,
-            "entropy": sums.entropy / total_tokens,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "param_norm": optax.tree.norm(params),
-            "update_norm": update_norm,
-            "loss_scale": state.loss_scale,
-            "skipped": skipped,
-            "nonfinite_total": new_state.nonfinite,
-            "nonfinite_run": new_state.nonfinite_run,
-        }
-        if stats is not None:
-            metrics.update(moe_metrics(stats))
-        return new_state, metrics
+        values = {"lr": lr, "grad_norm": grad_norm, "update_norm": update_norm, "skipped": skipped}
+        return new_state, _step_metrics(state, new_state, sums, stats, values)
 
     return step
 
