@@ -19,7 +19,7 @@ from shipyard.model.transformer import param_specs
 from shipyard.parallel.mesh import DEFAULT_RULES, make_mesh
 from shipyard.train.checkpoint import Checkpointer, restore, restore_latest
 from shipyard.train.optim import build_optimizer
-from shipyard.train.trainer import _abstract_state
+from shipyard.train.program import abstract_state
 
 RUN = ["train.logging.progress=false", "train.logging.log_every=1", "train.checkpoint.every=10"]
 
@@ -66,7 +66,7 @@ def test_restore_onto_other_device_counts(tmp_path):
     specs = param_specs(cfg.model)
     opt = build_optimizer(cfg.train, specs)
     mesh8 = make_mesh(cfg.mesh)
-    abstract8 = _abstract_state(cfg, specs, param_shardings(specs, mesh8, DEFAULT_RULES), opt)
+    abstract8 = abstract_state(cfg, specs, param_shardings(specs, mesh8, DEFAULT_RULES), opt)
     state = jax.tree.map(
         lambda a: jax.device_put(
             np.random.default_rng(0).standard_normal(a.shape).astype(a.dtype), a.sharding
@@ -81,7 +81,7 @@ def test_restore_onto_other_device_counts(tmp_path):
     for n, fsdp in ((4, 4), (1, 1)):
         cfg_n = load_config("tiny", ["mesh.data=1", f"mesh.fsdp={fsdp}"])
         mesh = make_mesh(cfg_n.mesh, jax.devices()[:n])
-        abstract = _abstract_state(cfg_n, specs, param_shardings(specs, mesh, DEFAULT_RULES), opt)
+        abstract = abstract_state(cfg_n, specs, param_shardings(specs, mesh, DEFAULT_RULES), opt)
         back = restore(tmp_path / "checkpoints", 1, abstract)
         assert back.params.blocks.wq.sharding.mesh.devices.size == n
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):

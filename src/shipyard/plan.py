@@ -280,53 +280,25 @@ def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
 # ----------------------------------------------------------------------------- compiled
 
 
+def plan_program(cfg: Config):
+    """The train program the compiled plan analyses: `train.program.build_program`, the one
+    `shipyard train` runs, on this process's devices (fake CPU ones in the child)."""
+    from shipyard.train.program import build_program
+
+    # The plan reads no data, so the data's EOS id (document masking without data.eos_id) is
+    # unknown; any id compiles to the same program.
+    return build_program(cfg, eos_id=0)
+
+
 def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     """Runs inside a process started with as many fake CPU devices as the mesh has."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from shipyard.config import build_config, read_yaml
-    from shipyard.model.params import abstract_params, param_shardings
-    from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
-    from shipyard.train.finetune import Partition
-    from shipyard.train.optim import build_optimizer
-    from shipyard.train.step import make_train_step
-    from shipyard.train.trainer import _abstract_state
 
-    cfg = build_config(read_yaml(cfg_yaml, "plan config"))
-    mesh = make_mesh(cfg.mesh)
-    rules = rules_for(cfg.mesh)
-    partition = Partition(cfg.model, cfg.train.finetune)
-    specs = partition.trainable_specs()
-    shardings = param_shardings(specs, mesh, rules)
-    optimizer = build_optimizer(cfg.train, specs)
-    state = _abstract_state(cfg, specs, shardings, optimizer)
-    frozen_specs = partition.frozen_specs()
-    frozen = abstract_params(frozen_specs, param_shardings(frozen_specs, mesh, rules))
-    B, S = cfg.train.global_batch_size, cfg.data.seq_len
-    batch_spec = logical_to_pspec(("batch", "seq"), (B, S + 1), mesh, rules)
-    bs = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
-    batch = {
-        "tokens": jax.ShapeDtypeStruct((B, S + 1), jnp.int32, sharding=bs),
-        "loss_mask": jax.ShapeDtypeStruct((B, S), jnp.float32, sharding=bs),
-    }
-    micro = B // cfg.train.microbatches
-    act = NamedSharding(
-        mesh, logical_to_pspec(("batch", "seq", "embed"), (micro, S, cfg.model.hidden_size), mesh, rules)
-    )
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(
-        make_train_step(cfg, optimizer, None, act, rules, partition),
-        in_shardings=(
-            state_shardings,
-            {"tokens": bs, "loss_mask": bs},
-            jax.tree.map(lambda x: x.sharding, frozen),
-        ),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-    )
-    compiled = step.lower(state, batch, frozen).compile()
+    program = plan_program(build_config(read_yaml(cfg_yaml, "plan config")))
+    state, frozen = program.abstract_state, program.abstract_frozen
+    compiled = program.lower_train_step().compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

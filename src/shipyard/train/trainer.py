@@ -2,33 +2,37 @@
 
 from __future__ import annotations
 
-import math
-import signal
-import threading
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from shipyard.config import Config, to_yaml
-from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
 from shipyard.data.tokens import tokens_sha256
-from shipyard.errors import ConfigError, TrainingDiverged
-from shipyard.model.params import init_params, param_shardings
+from shipyard.errors import ConfigError
+from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed
-from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.runs import base_params
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
-from shipyard.train.finetune import Partition
-from shipyard.train.metrics import MetricsWriter, flops_per_token, peak_flops
-from shipyard.train.optim import build_optimizer
+from shipyard.train.loop import (
+    Evaluator,
+    LoopParts,
+    ProfileWindow,
+    StepLog,
+    global_array,
+    open_writer,
+    progress_bar,
+    run_loop,
+    say_on,
+)
+from shipyard.train.metrics import flops_per_token, peak_flops
+from shipyard.train.program import TrainProgram, build_program, document_eos_id
 from shipyard.train.rundir import (
     check_resumable,
     prepare_run_dir,
@@ -37,15 +41,13 @@ from shipyard.train.rundir import (
     write_run_header,
 )
 from shipyard.train.sft_data import copy_tokenizer, load_chat_data
-from shipyard.train.step import init_state, make_eval_step, make_train_step
+from shipyard.train.step import init_state
+
+Say = Callable[[str], None]
 
 
 def run_dir_for(cfg: Config) -> Path:
     return Path(cfg.run.out_dir) / cfg.run.name
-
-
-def _host_metrics(m: dict) -> dict:
-    return {k: (v.item() if np.ndim(v) == 0 else v.tolist()) for k, v in jax.device_get(m).items()}
 
 
 def train(
@@ -73,57 +75,137 @@ def train(
         return _train(cfg, run_dir, overwrite, resume, profile_steps)
 
 
-class _NoWriter:
-    """Processes other than 0 log nothing."""
+@dataclass(frozen=True)
+class TrainData:
+    """The run's batches and held-out data, and what the run header records about them."""
 
-    def write(self, record: dict) -> None:
-        pass
+    loader: object
+    """BatchLoader (token sources) or ChatBatchLoader (packed chats)."""
+    validation: object
+    """SequenceSource, PackedChats or None."""
+    eos_id: int | None
+    """EOS id for document masking (None: off)."""
+    paths: list
+    """Token sources (pretraining; empty for chats)."""
+    chat: dict | None
+    """load_chat_data's result (chat SFT)."""
 
-    def close(self) -> None:
-        pass
+
+def load_data(cfg: Config, say: Say) -> TrainData:
+    if cfg.data.chat is not None:
+        chat = load_chat_data(cfg)
+        say(chat["summary"])
+        return TrainData(chat["loader"], chat["validation"], None, [], chat)
+    paths, weights = cfg.data.sources()
+    if not paths:
+        raise ConfigError(
+            "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
+            "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), data.mixture, "
+            "or data.chat for fine-tuning on conversations"
+        )
+    seq_len = cfg.data.seq_len
+    loader = build_loader(
+        paths, weights, cfg.train.seed, cfg.train.global_batch_size, seq_len, cfg.model.vocab_size
+    )
+    eos_id = document_eos_id(cfg, loader.eos_id)
+    val = None
+    if cfg.train.eval_every is not None:
+        val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
+    return TrainData(loader, val, eos_id, paths, None)
 
 
-def _global_array(value: np.ndarray, sharding) -> jax.Array:
-    """A host value every process holds in full, as a global array (device_put needs it addressable)."""
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+def run_inputs(cfg: Config, data: TrainData) -> dict:
+    """The run header's inputs: each training source (or chat file and tokenizer) with its sha256."""
+    if data.chat is not None:
+        return data.chat["inputs"]
+    names = [f"mixture[{i}]" for i in range(len(data.paths))] if cfg.data.mixture else ["train_tokens"]
+    return {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, data.paths)}
 
 
-def _abstract_state(cfg: Config, specs, shardings, optimizer):
-    """The train state's shapes, dtypes and shardings on this mesh, without allocating it
-    (what a checkpoint is restored into; the shardings are the ones a fresh init produces)."""
-    key = jax.random.key(cfg.train.seed)
+def open_run_dir(
+    cfg: Config, run_dir: Path, data: TrainData, resume: bool, overwrite: bool, main: bool, say: Say
+) -> bool:
+    """Check a run to resume, or prepare a fresh run directory and write its header; True when resuming."""
+    if resume and available_steps(checkpoint_dir(run_dir)):
+        check_resumable(run_dir, cfg)
+        return True
+    if resume and (run_dir / "config.yaml").exists():
+        say(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
+    if main:
+        prepare_run_dir(run_dir, overwrite or resume)
+    inputs = run_inputs(cfg, data)
+    if main:
+        write_run_header(run_dir, cfg, inputs)
+        if data.chat is not None:  # the run carries its tokenizer: export, generate and chat find it there
+            copy_tokenizer(data.chat["tokenizer"], run_dir / "tokenizer")
+    return False
 
-    def make():
-        return init_state(cfg, init_params(specs, key, shardings), optimizer, shardings)
 
-    shapes = jax.eval_shape(make)
-    out_shardings = jax.jit(make).lower().compile().output_shardings
-    return jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_shardings
+def initial_state(program: TrainProgram, run_dir: Path, resuming: bool, main: bool, say: Say) -> tuple:
+    """(first step, train state, frozen params): fresh from the base params, or the newest usable checkpoint."""
+    cfg, partition = program.cfg, program.partition
+    base = frozen = None
+    if partition.kind != "full" or not resuming:
+        # The frozen part is never checkpointed: it is re-read from init_from (or the seeded init).
+        if cfg.train.init_from is not None:
+            say(f"shipyard: starting from the params in {cfg.train.init_from}")
+        full_specs = param_specs(cfg.model)
+        base = base_params(cfg, full_specs, param_shardings(full_specs, program.mesh, program.rules))
+        frozen = partition.frozen(base)
+    if not resuming:
+        params = partition.initial(base, jax.random.key(cfg.train.seed), program.shardings)
+        return 0, init_state(cfg, params, program.optimizer), frozen
+    ckpt_dir = checkpoint_dir(run_dir)
+    start, state = restore_latest(ckpt_dir, program.abstract_state, say=say)
+    if main:
+        truncate_metrics(run_dir / "metrics.jsonl", start)
+        record_resume(run_dir, start)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
+    return start, state, frozen
+
+
+def announce(program: TrainProgram, state, run_dir: Path, say: Say) -> None:
+    """The start-of-run lines: model size, devices and mesh, and what trains when fine-tuning."""
+    cfg, mesh = program.cfg, program.mesh
+    devices = list(mesh.devices.flat)
+    say(
+        f"shipyard: {num_params(cfg.model):,} params"
+        f"{f' ({num_active_params(cfg.model):,} active)' if cfg.model.moe is not None else ''}, "
+        f"{len(devices)} {devices[0].platform} device(s)"
+        f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
+        f"mesh {dict(mesh.shape)}, run dir {run_dir}"
+    )
+    if program.partition.kind != "full":
+        n_train = sum(x.size for x in jax.tree.leaves(state.params))
+        say(
+            f"shipyard: fine-tuning ({program.partition.kind.replace('_', ' ')}): {n_train:,} trainable params "
+            f"({n_train / num_params(cfg.model):.2%} of the model); the rest is frozen"
+        )
+
+
+def pretraining_batch(loader, sharding, loss_mask: jax.Array, step: int) -> dict:
+    return {"tokens": device_batch(loader, step, sharding), "loss_mask": loss_mask}
+
+
+def batch_source(program: TrainProgram, data: TrainData) -> Callable[[int], dict]:
+    """step -> the global batch (this process's rows), laid out as the train step expects."""
+    if data.chat is not None:
+        return partial(device_batch, data.loader, sharding=program.batch_shardings)
+    cfg, shardings = program.cfg, program.batch_shardings
+    ones = np.ones((cfg.train.global_batch_size, cfg.data.seq_len), np.float32)
+    return partial(
+        pretraining_batch, data.loader, shardings["tokens"], global_array(ones, shardings["loss_mask"])
     )
 
 
-class _StopSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint at the next step boundary and exit cleanly."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def step_log(program: TrainProgram, run_dir: Path, start: int, main: bool) -> StepLog:
+    cfg = program.cfg
+    peak = peak_flops(cfg.train.logging.peak_flops_per_device, list(program.mesh.devices.flat))
+    writer = open_writer(cfg, run_dir, start, main)
+    return StepLog(
+        cfg, writer, progress_bar(cfg, start, main), flops_per_token(cfg.model, cfg.data.seq_len), peak
+    )
 
 
 def _train(
@@ -135,246 +217,33 @@ def _train(
 ) -> Path:
     distributed.initialize(cfg.distributed)
     main = distributed.is_main_process()
-
-    def say(message: str) -> None:
-        if main:
-            print(message, flush=True)
-
+    say = partial(say_on, main)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
-    batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
-    eos_id = None
-    chat = None
-    if cfg.data.chat is not None:
-        chat = load_chat_data(cfg)
-        loader, val = chat["loader"], chat["validation"]
-        paths = []
-        say(chat["summary"])
-    else:
-        paths, weights = cfg.data.sources()
-        if not paths:
-            raise ConfigError(
-                "data.train_tokens is not set: give a token-shard directory (from `shipyard data tokenize` "
-                "or `data prepare`), a 1-D .npy of token ids (e.g. from `shipyard data bytes`), data.mixture, "
-                "or data.chat for fine-tuning on conversations"
-            )
-        loader = build_loader(paths, weights, cfg.train.seed, batch_size, seq_len, cfg.model.vocab_size)
-        if cfg.data.document_masking:
-            eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else loader.eos_id
-            if eos_id is None:
-                raise ConfigError(
-                    "data.document_masking: no EOS id known for these sources (a .npy, or shard sets with "
-                    "different EOS ids); set data.eos_id"
-                )
-        val = None
-        if cfg.train.eval_every is not None:
-            val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
-    mesh = make_mesh(cfg.mesh)
-    rules = rules_for(cfg.mesh)
-    batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, rules)
-    if math.prod(mesh.shape[a] for a in rules["batch"]) > 1 and batch_spec[0] is None:
-        raise ConfigError(
-            f"train.global_batch_size={batch_size} is not divisible by the {mesh.devices.size} "
-            "data-parallel devices; choose a multiple"
-        )
-
-    ckpt_dir = checkpoint_dir(run_dir)
-    resuming = resume and bool(available_steps(ckpt_dir))
-    if resuming:
-        check_resumable(run_dir, cfg)
-    else:
-        if resume and (run_dir / "config.yaml").exists():
-            say(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
-        if main:
-            prepare_run_dir(run_dir, overwrite or resume)
-        if chat is not None:
-            inputs = chat["inputs"]
-        else:
-            names = [f"mixture[{i}]" for i in range(len(paths))] if cfg.data.mixture else ["train_tokens"]
-            inputs = {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, paths)}
-        if main:
-            write_run_header(run_dir, cfg, inputs)
-            if chat is not None:  # the run carries its tokenizer: export, generate and chat find it there
-                copy_tokenizer(chat["tokenizer"], run_dir / "tokenizer")
-    partition = Partition(cfg.model, cfg.train.finetune)
-    full_specs = param_specs(cfg.model)
-    specs = partition.trainable_specs()
+    data = load_data(cfg, say)
+    program = build_program(cfg, eos_id=data.eos_id)
+    resuming = open_run_dir(cfg, run_dir, data, resume, overwrite, main, say)
     distributed.barrier("run directory ready")
-    shardings = param_shardings(specs, mesh, rules)
-    optimizer = build_optimizer(cfg.train, specs)
-    frozen = None
-    if partition.kind != "full" or not resuming:
-        # The frozen part is never checkpointed: it is re-read from init_from (or the seeded init).
-        if cfg.train.init_from is not None:
-            say(f"shipyard: starting from the params in {cfg.train.init_from}")
-        base = base_params(cfg, full_specs, param_shardings(full_specs, mesh, rules))
-        frozen = partition.frozen(base)
-    start = 0
-    if resuming:
-        abstract = _abstract_state(cfg, specs, shardings, optimizer)
-        state_shardings = jax.tree.map(lambda a: a.sharding, abstract)
-        start, state = restore_latest(ckpt_dir, abstract, say=say)
-        if main:
-            truncate_metrics(run_dir / "metrics.jsonl", start)
-            record_resume(run_dir, start)
-            write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-        say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
-    else:
-        params = partition.initial(base, jax.random.key(cfg.train.seed), shardings)
-        del base
-        state = init_state(cfg, params, optimizer)
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
-    batch_sharding = NamedSharding(mesh, batch_spec)
-    mask_sharding = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
-
-    def activations(rows: int) -> NamedSharding:
-        shape = (rows, seq_len, cfg.model.hidden_size)
-        return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
-
-    micro = activations(batch_size // cfg.train.microbatches)
-    batch_keys = BATCH_KEYS if chat is not None else ("tokens", "loss_mask")
-    batch_shardings = {k: batch_sharding if k == "tokens" else mask_sharding for k in batch_keys}
-    step_fn = jax.jit(
-        make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
-        in_shardings=(state_shardings, batch_shardings, frozen_shardings),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-    )
-    eval_keys = batch_keys if chat is not None else ("tokens",)
-    eval_fn = jax.jit(
-        make_eval_step(cfg, eos_id, activations(batch_size), rules, partition),
-        in_shardings=(state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys}),
-    )
-
-    devices = list(mesh.devices.flat)
-    peak = peak_flops(cfg.train.logging.peak_flops_per_device, devices)
-    flops_tok = flops_per_token(cfg.model, seq_len)
-    tokens_per_step = batch_size * seq_len
-    say(
-        f"shipyard: {num_params(cfg.model):,} params"
-        f"{f' ({num_active_params(cfg.model):,} active)' if cfg.model.moe is not None else ''}, "
-        f"{len(devices)} {devices[0].platform} device(s)"
-        f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
-        f"mesh {dict(mesh.shape)}, run dir {run_dir}"
-    )
-    if partition.kind != "full":
-        n_train = sum(x.size for x in jax.tree.leaves(state.params))
-        say(
-            f"shipyard: fine-tuning ({partition.kind.replace('_', ' ')}): {n_train:,} trainable params "
-            f"({n_train / num_params(cfg.model):.2%} of the model); the rest is frozen"
-        )
-    loss_mask = _global_array(np.ones((batch_size, seq_len), np.float32), mask_sharding)
-
-    def evaluate(params) -> tuple:
-        """Sums over the same held-out sequences every time (the first eval_batches * B)."""
-        out = []
-        for b in range(cfg.train.eval_batches):
-            idx = [(b * batch_size + r) % len(val) for r in range(batch_size)]
-            rows = val.rows(idx) if chat is not None else {"tokens": np.stack([val[i] for i in idx])}
-            batch = {k: _global_array(v, batch_shardings[k]) for k, v in rows.items()}
-            out.append(eval_fn(params, frozen, batch))
-        return out
-
-    log = cfg.train.logging
-    tb = run_dir / "tb" if log.tensorboard else None
-    writer = (
-        MetricsWriter(run_dir / "metrics.jsonl", tb, start or None, log.wandb, cfg.model_dump(mode="json"))
-        if main
-        else _NoWriter()
-    )
+    start, state, frozen = initial_state(program, run_dir, resuming, main, say)
+    announce(program, state, run_dir, say)
+    log = step_log(program, run_dir, start, main)
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
-    bar = tqdm(
-        total=cfg.train.steps,
-        initial=start,
-        unit="step",
-        disable=not (log.progress and main),
-        mininterval=0.5,
-        dynamic_ncols=True,
-    )
-    pending: tuple | None = None
-    window_start, window_steps, t0 = None, 0, time.perf_counter()
-
-    def finish(step: int, metrics: dict, val_sums) -> None:
-        """Host side of step `step` (its metrics are ready): progress, logging, divergence."""
-        nonlocal window_start, window_steps
-        m = _host_metrics(metrics)
-        now = time.perf_counter()
-        if window_start is None:  # the first step includes compilation: time from its end
-            window_start, window_steps = now, 0
-        else:
-            window_steps += 1
-        # None (null in JSON) until a step after the compiling first one has finished.
-        tok_s = tokens_per_step * window_steps / max(now - window_start, 1e-9) if window_steps else None
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s or 0:,.0f}", refresh=False)
-        last = step == cfg.train.steps - 1
-        diverged = m["nonfinite_run"] >= cfg.train.max_consecutive_nonfinite
-        if step % log.log_every == 0 or last or diverged or val_sums is not None:
-            mfu = tok_s * flops_tok / peak if tok_s is not None else None
-            record = {"step": step, "loss": m.pop("loss"), "lr": m.pop("lr"), **m}
-            if val_sums is not None:
-                ce, n = (sum(float(x[i]) for x in val_sums) for i in (0, 1))
-                record["val_loss"] = ce / max(n, 1.0)
-            record.update(tokens_per_s=tok_s, mfu=mfu, elapsed_s=now - t0)
-            writer.write(record)
-        if diverged:
-            raise TrainingDiverged(
-                f"stopped at step {step}: {m['nonfinite_run']} consecutive steps had a non-finite loss or "
-                f"gradient (updates were skipped); try a lower train.optimizer.lr or longer warmup, check the "
-                f"input tokens, or rerun with --debug-nans to find the first NaN"
-            )
-
-    if chat is not None:
-        make_batch = partial(device_batch, loader, sharding=batch_shardings)
-    else:
-
-        def make_batch(s):
-            return {"tokens": device_batch(loader, s, batch_sharding), "loss_mask": loss_mask}
-
-    prefetch = Prefetcher(make_batch, start, cfg.train.steps)
-    stopped_at = None
+    batches = Prefetcher(batch_source(program, data), start, cfg.train.steps)
+    evaluate = Evaluator(program, data.validation, frozen)
+    profile = ProfileWindow(profile_steps, run_dir / "profile", main, say)
+    parts = LoopParts(program.train_step, frozen, batches, evaluate, checkpointer, log, profile)
     try:
-        with _StopSignal() as stop:
-            for step in range(start, cfg.train.steps):
-                batch = prefetch.get(step)
-                if profile_steps is not None and step == profile_steps[0] and main:
-                    jax.profiler.start_trace(str(run_dir / "profile"))
-                state, metrics = step_fn(state, batch, frozen)
-                if profile_steps is not None and step == profile_steps[1] and main:
-                    jax.block_until_ready(metrics)
-                    jax.profiler.stop_trace()
-                    say(
-                        f"shipyard: profile of steps {profile_steps[0]}-{profile_steps[1]} in {run_dir / 'profile'}"
-                    )
-                done = step + 1
-                evaluating = val is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-                val_sums = evaluate(state.params) if evaluating else None
-                if checkpointer.wants(done):
-                    checkpointer.save(done, state)
-                else:
-                    checkpointer.poll()
-                # Read the previous step's metrics only after queueing this one, so
-                # the device never waits for the host.
-                if pending is not None:
-                    finish(*pending)
-                pending = (step, metrics, val_sums)
-                if stop.received is not None and done < cfg.train.steps:
-                    checkpointer.save(done, state, wait=True)
-                    stopped_at = (done, signal.Signals(stop.received).name)
-                    break
-            if pending is not None:
-                finish(*pending)
+        stopped_at = run_loop(parts, state, start, cfg.train.steps)
     finally:
-        prefetch.close()
-        bar.close()
-        writer.close()
+        batches.close()
+        log.close()
         checkpointer.close()
-    elapsed = time.perf_counter() - t0
     if stopped_at is not None:
         say(
-            f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {ckpt_dir}; "
+            f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {checkpointer.directory}; "
             f"continue with the same command plus --resume"
         )
         return run_dir
-    say(f"shipyard: done {cfg.train.steps} steps in {elapsed:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
+    say(
+        f"shipyard: done {cfg.train.steps} steps in {log.elapsed():.1f}s; metrics in {run_dir / 'metrics.jsonl'}"
+    )
     return run_dir

@@ -1,0 +1,189 @@
+"""The train program of a config on a mesh: shardings, abstract state and batch, the jitted steps.
+
+One builder serves `shipyard train` (which then feeds real arrays to the
+steps) and `shipyard plan` (which lowers the same train step with the
+abstract inputs and reads XLA's memory and cost analysis), so what the plan
+compiles is what training runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shipyard.config import Config
+from shipyard.data.chat_format import BATCH_KEYS
+from shipyard.errors import ConfigError
+from shipyard.model.params import abstract_params, init_params, param_shardings
+from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+from shipyard.train.finetune import Partition
+from shipyard.train.optim import build_optimizer
+from shipyard.train.step import TrainState, init_state, make_eval_step, make_train_step
+
+PRETRAIN_BATCH_KEYS = ("tokens", "loss_mask")
+"""The arrays of a pretraining batch (a packed chat batch has chat_format.BATCH_KEYS)."""
+
+_BATCH_DTYPES = {
+    "tokens": jnp.int32,
+    "loss_mask": jnp.float32,
+    "segment_ids": jnp.int32,
+    "positions": jnp.int32,
+}
+
+
+@dataclass(frozen=True)
+class TrainProgram:
+    """Everything about a run that follows from its config and mesh, nothing that holds data."""
+
+    cfg: Config
+    mesh: Mesh
+    rules: dict
+    partition: Partition
+    specs: Any
+    """Spec tree of the trainable params (what the optimizer, shardings and checkpoint see)."""
+    shardings: Any
+    """Shardings of the trainable params."""
+    frozen_specs: Any
+    """Spec tree of the frozen params (None for full training)."""
+    frozen_shardings: Any
+    optimizer: optax.GradientTransformation
+    abstract_state: TrainState
+    """The train state's shapes, dtypes and shardings (what a checkpoint is restored into)."""
+    batch_shardings: dict[str, NamedSharding]
+    abstract_batch: dict[str, jax.ShapeDtypeStruct]
+    eval_keys: tuple[str, ...]
+    """Batch arrays the eval step reads."""
+    eos_id: int | None
+    """EOS id document masking splits at (None: off)."""
+    train_step: Any
+    """Jitted `(state, batch, frozen) -> (state, metrics)`, state donated."""
+    eval_step: Any
+    """Jitted `(params, frozen, batch) -> (sum of token losses, token count)`."""
+
+    @property
+    def state_shardings(self):
+        return jax.tree.map(lambda a: a.sharding, self.abstract_state)
+
+    @property
+    def abstract_frozen(self):
+        """The frozen params' shapes and shardings (None for full training)."""
+        if self.frozen_specs is None:
+            return None
+        return abstract_params(self.frozen_specs, self.frozen_shardings)
+
+    def lower_train_step(self):
+        """The train step lowered with the abstract inputs (nothing allocated); `.compile()` it."""
+        return self.train_step.lower(self.abstract_state, self.abstract_batch, self.abstract_frozen)
+
+
+def document_eos_id(cfg: Config, data_eos_id: int | None) -> int | None:
+    """The EOS id attention stops at with data.document_masking: data.eos_id, else the data's
+    own (`data_eos_id`); None when masking is off or the batches are packed chats."""
+    if cfg.data.chat is not None or not cfg.data.document_masking:
+        return None
+    eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else data_eos_id
+    if eos_id is None:
+        raise ConfigError(
+            "data.document_masking: no EOS id known for these sources (a .npy, or shard sets with "
+            "different EOS ids); set data.eos_id"
+        )
+    return eos_id
+
+
+def abstract_state(cfg: Config, specs, shardings, optimizer) -> TrainState:
+    """The train state's shapes, dtypes and shardings on this mesh, without allocating it
+    (what a checkpoint is restored into; the shardings are the ones a fresh init produces)."""
+    key = jax.random.key(cfg.train.seed)
+
+    def make():
+        return init_state(cfg, init_params(specs, key, shardings), optimizer, shardings)
+
+    shapes = jax.eval_shape(make)
+    out_shardings = jax.jit(make).lower().compile().output_shardings
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_shardings
+    )
+
+
+def batch_layout(cfg: Config, mesh: Mesh, rules: dict) -> tuple[dict, dict]:
+    """(shardings, abstract arrays) of the global batch, keyed by its arrays: tokens [B, L+1]
+    split over the batch axes, the per-position arrays [B, L] (loss mask; packed chats' segment
+    ids and positions) split the same way along the batch."""
+    batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
+    batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, rules)
+    if math.prod(mesh.shape[a] for a in rules["batch"]) > 1 and batch_spec[0] is None:
+        raise ConfigError(
+            f"train.global_batch_size={batch_size} is not divisible by the {mesh.devices.size} "
+            "data-parallel devices; choose a multiple"
+        )
+    keys = BATCH_KEYS if cfg.data.chat is not None else PRETRAIN_BATCH_KEYS
+    tokens = NamedSharding(mesh, batch_spec)
+    per_position = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
+    shardings = {k: tokens if k == "tokens" else per_position for k in keys}
+    shapes = {k: (batch_size, seq_len + 1 if k == "tokens" else seq_len) for k in keys}
+    abstract = {k: jax.ShapeDtypeStruct(shapes[k], _BATCH_DTYPES[k], sharding=shardings[k]) for k in keys}
+    return shardings, abstract
+
+
+def activation_sharding(cfg: Config, mesh: Mesh, rules: dict, rows: int) -> NamedSharding:
+    """The residual stream's layout, ("batch", "seq", "embed") under the rules, for `rows` sequences."""
+    shape = (rows, cfg.data.seq_len, cfg.model.hidden_size)
+    return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
+
+
+def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None = None) -> TrainProgram:
+    """The train program of `cfg` on `mesh` (default: the config's mesh over all devices).
+
+    `eos_id` is the data's EOS id, used only with data.document_masking (data.eos_id takes
+    precedence; see `document_eos_id`). Raises ConfigError when the global batch does not
+    split over the data-parallel devices. Compiles the state's init (never runs it) for the
+    state's shardings.
+    """
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    rules = rules_for(cfg.mesh)
+    batch_shardings, abstract_batch = batch_layout(cfg, mesh, rules)
+    eos_id = document_eos_id(cfg, eos_id)
+    partition = Partition(cfg.model, cfg.train.finetune)
+    specs, frozen_specs = partition.trainable_specs(), partition.frozen_specs()
+    shardings = param_shardings(specs, mesh, rules)
+    frozen_shardings = None if frozen_specs is None else param_shardings(frozen_specs, mesh, rules)
+    optimizer = build_optimizer(cfg.train, specs)
+    state = abstract_state(cfg, specs, shardings, optimizer)
+    state_shardings = jax.tree.map(lambda a: a.sharding, state)
+    batch_size = cfg.train.global_batch_size
+    micro = activation_sharding(cfg, mesh, rules, batch_size // cfg.train.microbatches)
+    train_step = jax.jit(
+        make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
+        in_shardings=(state_shardings, batch_shardings, frozen_shardings),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
+    eval_keys = tuple(batch_shardings) if cfg.data.chat is not None else ("tokens",)
+    eval_step = jax.jit(
+        make_eval_step(cfg, eos_id, activation_sharding(cfg, mesh, rules, batch_size), rules, partition),
+        in_shardings=(state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys}),
+    )
+    return TrainProgram(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        partition=partition,
+        specs=specs,
+        shardings=shardings,
+        frozen_specs=frozen_specs,
+        frozen_shardings=frozen_shardings,
+        optimizer=optimizer,
+        abstract_state=state,
+        batch_shardings=batch_shardings,
+        abstract_batch=abstract_batch,
+        eval_keys=eval_keys,
+        eos_id=eos_id,
+        train_step=train_step,
+        eval_step=eval_step,
+    )
