@@ -234,6 +234,42 @@ def tokenizer_of(cfg: Config, model_dir: Path | None = None) -> Path | None:
     return None
 
 
+def run_tokenizer(cfg: Config) -> Path | None:
+    """The tokenizer a run's model speaks, which the run records in <run>/tokenizer: its chat data's,
+    its token shards', else the one of the model it starts from (a run, an import, an HF directory).
+    None for a model trained on id .npy files from scratch."""
+    if cfg.data.chat is not None:
+        return chat_tokenizer_path(cfg.data.chat.tokenizer, cfg.train.init_from)
+    paths, _ = cfg.data.sources()
+    for p in paths:
+        if (Path(p) / "tokenizer.json").is_file():
+            return Path(p)
+    if cfg.train.init_from is None:
+        return None
+    base = Path(cfg.train.init_from)
+    for candidate in (base, base.parent):  # an import's params/ sits inside the import
+        if (candidate / "config.yaml").is_file() or (candidate / "config.json").is_file():
+            return open_model_dir(candidate, "train.init_from").tokenizer()
+    return None
+
+
+def check_ids_fit(cfg: Config, tokenizer_dir: Path) -> None:
+    """Token ids in the run's .npy sources must be ids of the tokenizer the model speaks (a .npy made
+    with another tokenizer would train on the wrong tokens without any other error)."""
+    from shipyard.data.tokenizer import load_tokenizer
+
+    size = load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=True)
+    for path in cfg.data.sources()[0]:
+        if Path(path).suffix != ".npy":
+            continue
+        top = int(np.load(path, mmap_mode="r", allow_pickle=False).max(initial=0))
+        if top >= size:
+            raise DataError(
+                f"data.train_tokens: {path} holds token id {top}, but the model's tokenizer "
+                f"({tokenizer_dir}) has {size} tokens; tokenize the data with that tokenizer"
+            )
+
+
 def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Path:
     """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
     (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
