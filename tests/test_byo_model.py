@@ -179,3 +179,29 @@ def test_lora_on_the_hf_directory_then_export_peft(byo, tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
     plain = np.asarray(logits(load_model(byo["hf"]).params, tokens, cfg.model))
     assert np.abs(plain - ours).max() > 1e-4  # the adapters trained: the comparison is not vacuous
+
+
+def test_sft_with_the_models_chatml_template_trains_bitwise_as_the_builtin_chatml(tmp_path):
+    """The tokenizer's own ChatML template (hf) and shipyard's built-in chatml render these
+    conversations (each has a system message) identically, so the two SFT runs are the same bytes."""
+    from chat_fixtures import QUIET, upper_task, write_chats, write_tokenizer
+    from hf_fixtures import CHATML_TEMPLATE
+
+    tok = write_tokenizer(
+        tmp_path / "tok",
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML_TEMPLATE}))
+    train = write_chats(tmp_path / "train.jsonl", upper_task(0, 64))
+    losses = {}
+    for template in ("hf", "chatml"):
+        run = tmp_path / template
+        chat = f"data.chat={{train: {train}, tokenizer: {tok}, template: {template}}}"
+        args = ["train", "tiny", "model.vocab_size=259", "data.seq_len=128", chat, "train.steps=4", *QUIET]
+        assert main([*args, "--run-dir", str(run)]) == 0
+        losses[template] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses["hf"] == losses["chatml"] and len(losses["hf"]) >= 1
