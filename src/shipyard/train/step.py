@@ -8,6 +8,7 @@ It is jitted once by the trainer with explicit shardings and donated state.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -121,16 +122,88 @@ def _model_inputs(batch: dict, eos_id: int | None) -> dict:
     return {"segment_ids": segment_ids(batch["tokens"][:, :-1], eos_id)}
 
 
+@dataclass(frozen=True, eq=False)  # hashed by identity, as jit needs
+class GradientFn:
+    """`gradients(params, frozen, batch, loss_scale, key) -> (grads, LossSums, MoEStats | None)`: full-batch
+    gradient of the mean loss with respect to the trainable `params` (frozen: the rest, see
+    train/finetune.py; key: LoRA dropout, or None). Built by `make_gradient_fn`."""
+
+    cfg: Config
+    eos_id: int | None
+    activation_sharding: Any
+    rules: Any
+    partition: Partition
+
+    def objective(self, params, frozen, mb, key, total_tokens, loss_scale):
+        """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
+        model, train = self.cfg.model, self.cfg.train
+        compute = jnp.dtype(train.precision.compute_dtype)
+        p = self.partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
+        tok = mb["tokens"]
+        out, stats = logits_and_stats(
+            p,
+            tok[:, :-1],
+            model,
+            activation_sharding=self.activation_sharding,
+            rules=self.rules,
+            dropout_key=key,
+            frozen_layers=self.partition.frozen_layers,
+            **_model_inputs(mb, self.eos_id),
+        )
+        sums = loss_sums(out, tok[:, 1:], mb["loss_mask"])
+        # Normalise by the whole batch's token count so microbatch
+        # gradients add up to exactly the full-batch gradient.
+        loss = (sums.ce + train.z_loss * sums.z) / total_tokens
+        if stats is not None:
+            moe = model.moe
+            stats = jax.tree.map(lambda v: v / train.microbatches, stats)
+            loss = loss + moe.aux_loss * jnp.sum(stats.aux_loss) + moe.router_z_loss * jnp.sum(stats.z_loss)
+        return loss * loss_scale if compute == jnp.float16 else loss, (sums, stats)
+
+    def microbatch(self, params, frozen, mb, key, total_tokens, loss_scale):
+        """(grads, LossSums, MoEStats | None) of one microbatch."""
+        grad = jax.grad(self.objective, has_aux=True)
+        grads, (sums, stats) = grad(params, frozen, mb, key, total_tokens, loss_scale)
+        return grads, sums, stats
+
+    def accumulate(self, params, frozen, key, total_tokens, loss_scale, carry, xs):
+        """One scan step over microbatches: add microbatch i's gradients and sums to `carry`."""
+        i, mb = xs
+        mkey = None if key is None else jax.random.fold_in(key, i)
+        out = self.microbatch(params, frozen, mb, mkey, total_tokens, loss_scale)
+        return jax.tree.map(jnp.add, carry, out), None
+
+    def zeros(self, params) -> tuple:
+        """The accumulator's start: zero gradients, sums and (for MoE) stats."""
+        model, zero_stats = self.cfg.model, None
+        if model.moe is not None:
+            Lm, X = model.num_moe_layers, model.moe.num_experts
+            z = jnp.zeros((Lm,), jnp.float32)
+            zero_stats = MoEStats(load=jnp.zeros((Lm, X), jnp.float32), aux_loss=z, z_loss=z, dropped=z)
+        return (
+            jax.tree.map(jnp.zeros_like, params),
+            LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
+            zero_stats,
+        )
+
+    def __call__(self, params, frozen, batch, loss_scale, key=None):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        n_micro = self.cfg.train.microbatches
+        if n_micro == 1:
+            return self.microbatch(params, frozen, batch, key, total_tokens, loss_scale)
+        step = partial(self.accumulate, params, frozen, key, total_tokens, loss_scale)
+        mbs = {k: _split_microbatches(v, n_micro) for k, v in batch.items()}
+        return jax.lax.scan(step, self.zeros(params), (jnp.arange(n_micro), mbs))[0]
+
+
 def make_gradient_fn(
     cfg: Config,
     eos_id: int | None = None,
     activation_sharding=None,
     rules=None,
     partition: Partition | None = None,
-):
-    """`gradients(params, frozen, batch, loss_scale, key) -> (grads, LossSums, MoEStats | None)`: full-batch
-    gradient of the mean loss with respect to the trainable `params` (frozen: the rest, see
-    train/finetune.py; key: LoRA dropout, or None).
+) -> GradientFn:
+    """The gradient function of `cfg` (see GradientFn).
 
     With `train.microbatches > 1` the batch is processed in sequential slices
     whose gradients add up to the same full-batch gradient (the MoE balance
@@ -138,66 +211,7 @@ def make_gradient_fn(
     returned gradients are still multiplied by `loss_scale`. The MoE stats
     have a leading axis over MoE layers.
     """
-    model, train = cfg.model, cfg.train
-    compute = jnp.dtype(train.precision.compute_dtype)
-    fp16 = compute == jnp.float16
-    n_micro = train.microbatches
-    moe = model.moe
-    partition = partition or Partition(model, None)
-
-    def gradients(params, frozen, batch, loss_scale, key=None):
-        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-
-        def objective(params, mb, key):
-            p = partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
-            tok = mb["tokens"]
-            out, stats = logits_and_stats(
-                p,
-                tok[:, :-1],
-                model,
-                activation_sharding=activation_sharding,
-                rules=rules,
-                dropout_key=key,
-                frozen_layers=partition.frozen_layers,
-                **_model_inputs(mb, eos_id),
-            )
-            sums = loss_sums(out, tok[:, 1:], mb["loss_mask"])
-            # Normalise by the whole batch's token count so microbatch
-            # gradients add up to exactly the full-batch gradient.
-            loss = (sums.ce + train.z_loss * sums.z) / total_tokens
-            if stats is not None:
-                stats = jax.tree.map(lambda v: v / n_micro, stats)
-                loss = (
-                    loss + moe.aux_loss * jnp.sum(stats.aux_loss) + moe.router_z_loss * jnp.sum(stats.z_loss)
-                )
-            return loss * loss_scale if fp16 else loss, (sums, stats)
-
-        def grad_fn(params, mb, key):
-            grads, (sums, stats) = jax.grad(objective, has_aux=True)(params, mb, key)
-            return grads, sums, stats
-
-        if n_micro == 1:
-            return grad_fn(params, batch, key)
-
-        def accumulate(carry, xs):
-            i, mb = xs
-            mkey = None if key is None else jax.random.fold_in(key, i)
-            return jax.tree.map(jnp.add, carry, grad_fn(params, mb, mkey)), None
-
-        zero_stats = None
-        if moe is not None:
-            Lm, X = model.num_moe_layers, moe.num_experts
-            z = jnp.zeros((Lm,), jnp.float32)
-            zero_stats = MoEStats(load=jnp.zeros((Lm, X), jnp.float32), aux_loss=z, z_loss=z, dropped=z)
-        zeros = (
-            jax.tree.map(jnp.zeros_like, params),
-            LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
-            zero_stats,
-        )
-        mbs = {k: _split_microbatches(v, n_micro) for k, v in batch.items()}
-        return jax.lax.scan(accumulate, zeros, (jnp.arange(n_micro), mbs))[0]
-
-    return gradients
+    return GradientFn(cfg, eos_id, activation_sharding, rules, partition or Partition(cfg.model, None))
 
 
 def _balance_router_bias(params: TransformerParams, stats: MoEStats, rate: float) -> TransformerParams:
