@@ -1,4 +1,4 @@
-"""Generator's CPU decode step (fused weights, per-layer caches) against model.decode.forward_cached."""
+"""Generator's CPU decode step (fused weights, per-layer caches) against inference.decode.forward_cached."""
 
 from functools import partial
 
@@ -9,15 +9,9 @@ import pytest
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
+from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
-from shipyard.inference.generate import (
-    Generator,
-    _cpu_decode_forward,
-    _cpu_decode_supported,
-    _cpu_decode_weights,
-    _from_layer_caches,
-    _to_layer_caches,
-)
+from shipyard.inference.generate import Generator
 
 PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
@@ -28,12 +22,14 @@ PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
         [],
         ["model.tie_embeddings=true", "model.qk_norm=true"],
         ["model.rope_scaling={factor: 8.0, original_max_position: 64}", "model.num_heads=8"],
+        ["model.qkv_bias=true"],
+        ["model.sliding_window=4", "model.global_attention_every=2"],  # prompts run past the window
     ],
 )
 def test_cpu_decode_step_equals_forward_cached(overrides):
     cfg = load_config("tiny", overrides).model
     params = noisy_params(cfg, key=3, seed=2, scale=0.2)
-    assert _cpu_decode_supported(params, cfg)
+    assert cpu_decode.supported(params, cfg)
     B, P = len(PROMPTS), max(map(len, PROMPTS))
     tokens = np.zeros((B, P), np.int32)
     start = np.array([P - len(p) for p in PROMPTS], np.int32)
@@ -42,17 +38,17 @@ def test_cpu_decode_step_equals_forward_cached(overrides):
     _, cache = forward_cached(
         params, jnp.asarray(tokens), init_cache(cfg, B, P + 4), 0, jnp.asarray(start), cfg
     )
-    ours = jax.jit(partial(_cpu_decode_forward, cfg=cfg))
+    ours = jax.jit(partial(cpu_decode.decode_step, cfg=cfg))
     reference = jax.jit(partial(forward_cached, cfg=cfg))
-    weights = _cpu_decode_weights(params, cfg)
-    theirs, cache = cache, _to_layer_caches(cache)
-    assert jax.tree.all(jax.tree.map(jnp.array_equal, _from_layer_caches(cache), theirs))
+    weights = cpu_decode.prepare_weights(params, cfg)
+    theirs, cache = cache, cpu_decode.to_layer_caches(cache)
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, cpu_decode.from_layer_caches(cache), theirs))
     step = jnp.asarray([[3], [77], [300]], jnp.int32)
     for i in range(4):  # feeding the same tokens to both, so any difference in the caches shows too
         got, cache = ours(weights, step, cache, np.int32(P + i), jnp.asarray(start))
         want, theirs = reference(params, step, theirs, np.int32(P + i), jnp.asarray(start))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
-        ours_kv = _from_layer_caches(cache)
+        ours_kv = cpu_decode.from_layer_caches(cache)
         np.testing.assert_allclose(np.asarray(ours_kv.k), np.asarray(theirs.k), atol=1e-5)
         np.testing.assert_allclose(np.asarray(ours_kv.v), np.asarray(theirs.v), atol=1e-5)
         step = jnp.argmax(want[:, -1], axis=-1)[:, None].astype(jnp.int32)
@@ -60,14 +56,10 @@ def test_cpu_decode_step_equals_forward_cached(overrides):
 
 @pytest.mark.parametrize(
     "config, overrides",
-    [
-        ("tiny", ["model.qkv_bias=true"]),
-        ("tiny", ["model.sliding_window=4"]),
-        ("moe-tiny", []),
-    ],
+    [("moe-tiny", [])],
 )
 def test_models_it_does_not_implement_decode_with_forward_cached(config, overrides):
     cfg = load_config(config, overrides).model
     params = noisy_params(cfg, key=3, seed=2, scale=0.2)
-    assert not _cpu_decode_supported(params, cfg)
+    assert not cpu_decode.supported(params, cfg)
     assert Generator(params, cfg)._decode_params is params

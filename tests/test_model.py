@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shipyard.config import RopeScaling, load_config
-from shipyard.model import layers
+from shipyard.model import attention, layers
 from shipyard.model.params import count_params, init_params, param_shardings
 from shipyard.model.transformer import logits, num_params, param_specs
 from shipyard.parallel.mesh import DEFAULT_RULES, make_mesh
@@ -64,13 +64,22 @@ def _reference_attention(q, k, v):
     return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+def _attention(q, k, v, segment_ids=None, window=None):
+    """attention.attend on ungrouped queries [batch, seq, heads, head_dim], causal over one sequence."""
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    slots = jnp.arange(s)
+    seen = attention.mask(slots, slots, window, segment_ids)
+    return attention.attend(q.reshape(b, s, kvh, h // kvh, d), k, v, seen).reshape(b, s, h, d)
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(4, 1), (4, 2), (6, 3), (4, 4)])
 def test_gqa_equals_repeated_kv(rng, heads, kv_heads):
     b, s, d = 2, 12, 8
     q = rng.standard_normal((b, s, heads, d)).astype(np.float32)
     k = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
     v = rng.standard_normal((b, s, kv_heads, d)).astype(np.float32)
-    out = np.asarray(layers.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+    out = np.asarray(_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
     np.testing.assert_allclose(out, _reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
@@ -78,9 +87,9 @@ def test_segment_ids_block_cross_document_attention(rng):
     b, s, h, d = 1, 8, 2, 4
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)).astype(np.float32)) for _ in range(3))
     seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
-    out = layers.attention(q, k, v, seg)
+    out = _attention(q, k, v, seg)
     # the second document alone gives the same outputs for its positions
-    alone = layers.attention(q[:, 3:], k[:, 3:], v[:, 3:])
+    alone = _attention(q[:, 3:], k[:, 3:], v[:, 3:])
     np.testing.assert_allclose(np.asarray(out[:, 3:]), np.asarray(alone), rtol=1e-5, atol=1e-6)
 
 
@@ -161,7 +170,9 @@ def test_flops_per_token_counts_every_matmul_weight(overrides):
 
 
 def test_sliding_window_attention_equals_a_masked_reference():
-    from shipyard.model.layers import grouped_attention
+    def grouped_attention(q, k, v, window=None):
+        slots = jnp.arange(q.shape[1])
+        return attention.attend(q, k, v, attention.mask(slots, slots, window))
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 10, 2, 2, 8)), jnp.float32)

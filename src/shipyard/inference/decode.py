@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import layers
-from shipyard.model.transformer import TransformerParams, layer_windows, mlp_block, output_weights
+from shipyard.model import attention, layers
+from shipyard.model.attention import LayerKV, layer_windows
+from shipyard.model.transformer import TransformerParams, mlp_block, output_weights
 
 
 class KVCache(NamedTuple):
@@ -47,41 +48,23 @@ def forward_cached(
     a prefill needs, and the output projection of every prompt position is a
     large part of a prefill's work for a big vocabulary.
     """
-    K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    B, T = tokens.shape
-    max_len = cache.k.shape[2]
-    slots = pos + jnp.arange(T)  # cache slot of each new token
-    positions = slots[None, :] - start[:, None]  # RoPE position: counted from the row's first real token
-    cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling))
-    keys = jnp.arange(max_len)
-    # query at slot s sees keys at slots start[b] .. s
-    visible = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= start[:, None, None])
+    slots = pos + jnp.arange(tokens.shape[1])  # cache slot of each new token
+    # RoPE position: counted from the row's first real token
+    cos, sin = attention.rope_tables(cfg, slots[None, :] - start[:, None])
+    keys = jnp.arange(cache.k.shape[2])
     x = jnp.take(params.embed, tokens, axis=0)
 
     def body(x, layer):
         p, k_cache, v_cache, window = layer
+        w = attention.attention_weights(
+            p, cfg.num_kv_heads, fused=False
+        )  # fusing would copy weights every step
+        seen = attention.mask(slots, keys, window, first_key=start)  # slots start[b] .. s, within the window
         h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
-        q = jnp.einsum("bte,ekgd->btkgd", h, p.wq.reshape(p.wq.shape[0], K, G, D))
-        k = jnp.einsum("bte,ekd->btkd", h, p.wk)
-        v = jnp.einsum("bte,ekd->btkd", h, p.wv)
-        if p.bq is not None:
-            q, k, v = q + p.bq.reshape(K, G, D), k + p.bk, v + p.bv
-        if p.q_norm is not None:
-            q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
-            k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
-        q = layers.apply_rope(q, cos, sin)
-        k = layers.apply_rope(k, cos, sin)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) / jnp.sqrt(D)
-        seen = visible
-        if window is not None:  # sliding window: keys within the last `window` slots
-            seen = seen & (slots[None, :, None] - keys[None, None, :] < window)
-        scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, K * G * D)
-        x = x + attn @ p.wo.reshape(-1, p.wo.shape[-1])
-        return mlp_block(cfg, x, p)[0], (k_cache, v_cache)
+        out, kv = attention.self_attention(
+            cfg, h, w, cos, sin, seen, cache=LayerKV(k_cache, v_cache), pos=pos
+        )
+        return mlp_block(cfg, x + out, p)[0], kv
 
     # The cache spans all layers; each stack (dense, then MoE) scans its slice.
     ks, vs, first = [], [], 0

@@ -7,37 +7,26 @@ preallocated), so nothing recompiles per token. A decode call runs up to
 reads one call's tokens while the next call runs. Sampling is seeded: the same
 seed gives the same text, whatever `tokens_per_call`.
 
-On CPU, dense models decode with a step specialised for one token per row
-(`_cpu_decode_forward`): a decode step is a handful of [batch, in] x [in, out]
-products with tiny batch, bound by reading the weights from memory. The
-specialised step reads weights prepared once per Generator, q|k|v and gate|up
-fused (four products per layer), with layers unrolled (no per-step slicing of
-stacked weights), and keeps one cache per layer in layouts that make both
-attention products plain batched matmuls, updated in place (the stacked
-KVCache layout cost a transposed copy of each layer's cache every step). Cutting
-weights into column blocks so products run on both cores, and XLA's XNNPACK
-dots, measured no faster. It computes what `model.decode.forward_cached`
-computes (tested step against step); models using anything it does not
-implement (MoE, q/k/v biases, sliding windows, options added later) decode
-with `forward_cached`.
+On CPU, dense models decode with `inference.cpu_decode.decode_step`, a step
+specialised for one token per row (weights fused and unrolled once per
+Generator, per-layer caches laid out for plain batched matmuls); it computes
+what `inference.decode.forward_cached` computes, with the same attention
+functions (`model.attention`). Models it does not implement (MoE, LoRA
+adapters, options added later) decode with `forward_cached`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from shipyard.config import ModelConfig
-from shipyard.inference.decode import KVCache, forward_cached, init_cache
-from shipyard.model import layers
-from shipyard.model.transformer import output_weights
+from shipyard.inference import cpu_decode
+from shipyard.inference.decode import forward_cached, init_cache
 
 
 def sample(
@@ -136,144 +125,6 @@ def _decode_compiler_options() -> dict[str, str] | None:
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
 
 
-# ModelConfig fields `_cpu_decode_forward` implements or that do not change the forward pass; a field
-# added later disables it (at a non-default value) until it is taught here.
-_CPU_DECODE_FIELDS = frozenset(
-    [
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "max_seq_len",
-        "rope_theta",
-        "rope_scaling",
-        "norm_eps",
-        "qk_norm",
-        "tie_embeddings",
-        "init_std",
-        "remat",
-        "scan_unroll",
-    ]
-)
-_CPU_DECODE_BLOCK_PARAMS = frozenset(
-    ["attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate", "w_up", "w_down"]
-)
-
-
-def _cpu_decode_supported(params, cfg: ModelConfig) -> bool:
-    if jax.default_backend() != "cpu" or getattr(params, "moe_blocks", None) is not None:
-        return False
-    for name, field in type(cfg).model_fields.items():
-        if name not in _CPU_DECODE_FIELDS and getattr(cfg, name) != field.default:
-            return False
-    blocks = params.blocks
-    if blocks is None or not dataclasses.is_dataclass(blocks):
-        return False
-    return all(
-        f.name in _CPU_DECODE_BLOCK_PARAMS or getattr(blocks, f.name) is None
-        for f in dataclasses.fields(blocks)
-    )
-
-
-class _LayerCache(NamedTuple):
-    """One layer's decode cache, laid out so both attention products are plain batched matmuls."""
-
-    k: jax.Array
-    """[batch, kv_heads, head_dim, max_len]: keys transposed, so q @ k needs no copy of the cache."""
-    v: jax.Array
-    """[batch, kv_heads, max_len, head_dim]"""
-
-
-def _to_layer_caches(cache: KVCache) -> tuple[_LayerCache, ...]:
-    """KVCache [layers, batch, max_len, kv_heads, head_dim] -> per-layer `_LayerCache`s (once, after prefill).
-
-    One array per layer keeps each in-place update small and lets XLA reuse
-    each layer's buffer on its own; the layouts avoid the per-layer copies
-    (transposes of the whole layer cache) that the KVCache layout costs in
-    every decode step.
-    """
-    return tuple(
-        _LayerCache(cache.k[i].transpose(0, 2, 3, 1), cache.v[i].transpose(0, 2, 1, 3))
-        for i in range(cache.k.shape[0])
-    )
-
-
-def _from_layer_caches(caches: Sequence[_LayerCache]) -> KVCache:
-    """The inverse of `_to_layer_caches` (for tests)."""
-    k = jnp.stack([c.k.transpose(0, 3, 1, 2) for c in caches])
-    v = jnp.stack([c.v.transpose(0, 2, 1, 3) for c in caches])
-    return KVCache(k, v)
-
-
-def _cpu_decode_weights(params, cfg: ModelConfig) -> dict:
-    """Per-layer weights for `_cpu_decode_forward`: q|k|v and gate|up fused, so a layer is four matmuls."""
-    b, E = params.blocks, cfg.hidden_size
-    out = []
-    for i in range(cfg.num_layers):
-        qkv = jnp.concatenate([b.wq[i].reshape(E, -1), b.wk[i].reshape(E, -1), b.wv[i].reshape(E, -1)], 1)
-        out.append(
-            {
-                "attn_norm": b.attn_norm[i],
-                "qkv": qkv,
-                "q_norm": None if b.q_norm is None else b.q_norm[i],
-                "k_norm": None if b.k_norm is None else b.k_norm[i],
-                "wo": b.wo[i].reshape(-1, E),
-                "mlp_norm": b.mlp_norm[i],
-                "gate_up": jnp.concatenate([b.w_gate[i], b.w_up[i]], 1),
-                "down": b.w_down[i],
-            }
-        )
-    return {
-        "embed": params.embed,
-        "layers": out,
-        "final_norm": params.final_norm,
-        "head": output_weights(params),
-    }
-
-
-def _cpu_decode_forward(weights, tokens, caches: tuple[_LayerCache, ...], pos, start, *, cfg: ModelConfig):
-    """forward_cached for one token per row ([batch, 1]) of a dense model, on `_cpu_decode_weights`.
-
-    Returns logits [batch, 1, vocab] and the updated per-layer caches.
-    """
-    K, H, D, F = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-    G, B = H // K, tokens.shape[0]
-    positions = (pos - start)[:, None]  # RoPE position: counted from the row's first real token
-    cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling))
-    keys = jnp.arange(caches[0].v.shape[2])
-    visible = ((keys[None, :] <= pos) & (keys[None, :] >= start[:, None]))[:, None, None, :]  # [B, 1, 1, S]
-    x = jnp.take(weights["embed"], tokens[:, 0], axis=0)  # [B, E]
-    new_caches = []
-    for p, c in zip(weights["layers"], caches):
-        qkv = layers.rms_norm(x, p["attn_norm"], cfg.norm_eps) @ p["qkv"]
-        q = qkv[:, : H * D].reshape(B, 1, K, G, D)
-        k = qkv[:, H * D : (H + K) * D].reshape(B, 1, K, D)
-        v = qkv[:, (H + K) * D :].reshape(B, K, 1, D)
-        if p["q_norm"] is not None:
-            q = layers.rms_norm(q, p["q_norm"], cfg.norm_eps)
-            k = layers.rms_norm(k, p["k_norm"], cfg.norm_eps)
-        q, k = (
-            layers.apply_rope(q, cos, sin)[:, 0],
-            layers.apply_rope(k, cos, sin)[:, 0],
-        )  # [B,K,G,D], [B,K,D]
-        c = _LayerCache(
-            jax.lax.dynamic_update_slice(c.k, k[..., None].astype(c.k.dtype), (0, 0, 0, pos)),
-            jax.lax.dynamic_update_slice(c.v, v.astype(c.v.dtype), (0, 0, pos, 0)),
-        )
-        new_caches.append(c)
-        scores = jnp.matmul(q, c.k, preferred_element_type=jnp.float32)  # [B, K, G, S]
-        scores = jnp.where(visible, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(c.v.dtype)
-        x = x + jnp.matmul(probs, c.v).reshape(B, H * D) @ p["wo"]
-        gate_up = layers.rms_norm(x, p["mlp_norm"], cfg.norm_eps) @ p["gate_up"]
-        x = x + (jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]) @ p["down"]
-    h = layers.rms_norm(x, weights["final_norm"], cfg.norm_eps)
-    return (h @ weights["head"]).astype(jnp.float32)[:, None], tuple(new_caches)
-
-
 class Generator:
     """Compiled prefill and decode steps for one model; reuse it across calls with the same shapes.
 
@@ -289,9 +140,9 @@ class Generator:
         if tokens_per_call < 1:
             raise ValueError(f"tokens_per_call must be at least 1, got {tokens_per_call}")
         self.params, self.cfg, self.tokens_per_call = params, cfg, tokens_per_call
-        if _cpu_decode_supported(params, cfg):
-            self._decode_params = jax.jit(partial(_cpu_decode_weights, cfg=cfg))(params)
-            forward, to_decode_cache = partial(_cpu_decode_forward, cfg=cfg), _to_layer_caches
+        if cpu_decode.supported(params, cfg):
+            self._decode_params = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(params)
+            forward, to_decode_cache = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
         else:
             self._decode_params = params
             forward, to_decode_cache = partial(forward_cached, cfg=cfg), lambda cache: cache

@@ -1,4 +1,4 @@
-"""The building blocks of a Llama-3 style decoder, as pure functions."""
+"""The building blocks of a Llama-3 style decoder, as pure functions (attention itself: `model.attention`)."""
 
 from __future__ import annotations
 
@@ -92,51 +92,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, window=None
-) -> jax.Array:
-    """Causal grouped-query attention on grouped queries.
-
-    q: [batch, seq, kv_heads, group, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
-    Each group of query heads shares one KV head, so KV is never repeated.
-    Scores and softmax are fp32. segment_ids ([batch, seq], optional) stop
-    attention across packed documents; `window` (optional) limits each query
-    to the last `window` positions. Returns q's shape.
-    """
-    s, d = q.shape[1], q.shape[-1]
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(d))
-    pos = jnp.arange(s)
-    mask = pos[:, None] >= pos[None, :]
-    if window is not None:  # a traced per-layer size under scan; >= seq means global
-        mask = mask & (pos[:, None] - pos[None, :] < window)
-    if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = (mask[None] & same)[:, None, None]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """[embed, mlp] gate and up weights -> one [embed, 2 * mlp] matrix (gate columns, then up)."""
+    return jnp.stack([w_gate, w_up], axis=1).reshape(w_gate.shape[0], 2 * w_gate.shape[-1])
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal GQA with q: [batch, seq, heads, head_dim], k, v: [batch, seq, kv_heads, head_dim]."""
-    b, s, h, d = q.shape
-    kvh = k.shape[2]
-    out = grouped_attention(q.reshape(b, s, kvh, h // kvh, d), k, v, segment_ids)
-    return out.reshape(b, s, h, d)
+def swiglu_fused(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP on a `fuse_gate_up` weight: one matmul for gate and up."""
+    m = w_gate_up.shape[-1] // 2
+    gate_up = dense(x, w_gate_up)
+    return dense(jax.nn.silu(gate_up[..., :m]) * gate_up[..., m:], w_down)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, adapter=None) -> jax.Array:
-    """SwiGLU MLP; gate and up run as one [embed, 2, mlp] matmul (see transformer._block).
+    """SwiGLU MLP; gate and up run as one [embed, 2 * mlp] matmul (wider matmuls run closer to peak on CPU).
 
     `adapter(target, inputs)` (LoRA) returns an addition to the gate, up or
     down projection's output, or None.
     """
-    m = w_gate.shape[-1]
-    gate_up = dense(x, jnp.stack([w_gate, w_up], axis=1).reshape(w_gate.shape[0], 2 * m))
-    gate, up = gate_up[..., :m], gate_up[..., m:]
     if adapter is None:
-        return dense(jax.nn.silu(gate) * up, w_down)
+        return swiglu_fused(x, fuse_gate_up(w_gate, w_up), w_down)
+    m = w_gate.shape[-1]
+    gate_up = dense(x, fuse_gate_up(w_gate, w_up))
+    gate, up = gate_up[..., :m], gate_up[..., m:]
     gate, up = add_optional(gate, adapter("gate", x)), add_optional(up, adapter("up", x))
     hidden = jax.nn.silu(gate) * up
     return add_optional(dense(hidden, w_down), adapter("down", hidden))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import layers
+from shipyard.model import attention, layers
 from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
@@ -146,53 +146,16 @@ _REMAT_POLICIES = {
 }
 
 
-def layer_windows(cfg: ModelConfig) -> list[jax.Array | None]:
-    """Per stack (as `params.stacks()` orders them), each layer's attention window, or None
-    when no layer is local. Global layers get a window no sequence reaches."""
-    if cfg.sliding_window is None:
-        return [None, None]
-    every = cfg.global_attention_every
-    sizes = [
-        2**30 if every is not None and (i + 1) % every == 0 else cfg.sliding_window
-        for i in range(cfg.num_layers)
-    ]
-    d = cfg.num_dense_layers
-    stacks = [sizes[:d], sizes[d:]]
-    return [jnp.asarray(w, jnp.int32) for w in stacks if w]
-
-
 def attention_block(
     cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids, window=None, key=None
 ) -> jax.Array:
-    """x plus the attention branch of one block (`key`: LoRA dropout)."""
-    K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    """x plus the attention branch of one block (`key`: LoRA dropout); see `model.attention`."""
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    # One matmul for Q, K and V (and one for gate and up in swiglu) instead of
-    # three (two): wider matmuls run far closer to peak on CPU, and the
-    # weight copy this costs is tiny next to the activations. The fused
-    # layout [embed, kv_heads, group + 2, head_dim] keeps kv_heads outermost,
-    # so a kv_heads / heads sharding is preserved through the concatenation.
-    wq = p.wq.reshape(p.wq.shape[0], K, G, p.wq.shape[-1])
-    w_qkv = jnp.concatenate([wq, p.wk[:, :, None], p.wv[:, :, None]], axis=2)
-    qkv = layers.dense(h, w_qkv.reshape(w_qkv.shape[0], -1)).reshape(*h.shape[:2], *w_qkv.shape[1:])
-    if p.bq is not None:
-        qkv = qkv + jnp.concatenate([p.bq.reshape(K, G, -1), p.bk[:, None], p.bv[:, None]], axis=1)
-    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
-    if p.lora is not None:
-        q = layers.add_optional(q, delta(p.lora, "q", h, key))
-        k = layers.add_optional(k, delta(p.lora, "k", h, key))
-        v = layers.add_optional(v, delta(p.lora, "v", h, key))
-    if p.q_norm is not None:
-        q = layers.rms_norm(q, p.q_norm, cfg.norm_eps)
-        k = layers.rms_norm(k, p.k_norm, cfg.norm_eps)
-    q = layers.apply_rope(q, cos, sin)
-    k = layers.apply_rope(k, cos, sin)
-    attn = layers.grouped_attention(q, k, v, segment_ids, window)
-    attn = attn.reshape(*attn.shape[:2], -1)
-    out = layers.dense(attn, p.wo.reshape(-1, p.wo.shape[-1]))
-    if p.lora is not None:
-        out = layers.add_optional(out, delta(p.lora, "o", attn, key))
-    return x + out
+    # The q|k|v weights are fused here, per layer, so the stored layout and its shardings stay per projection.
+    w = attention.attention_weights(p, cfg.num_kv_heads)
+    slots = jnp.arange(x.shape[1])
+    seen = attention.mask(slots, slots, window, segment_ids)
+    return x + attention.self_attention(cfg, h, w, cos, sin, seen, key=key)[0]
 
 
 def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None, key=None):
@@ -244,9 +207,7 @@ def forward(
     mesh = getattr(activation_sharding, "mesh", None) if rules is not None else None
     if positions is None:
         positions = jnp.arange(tokens.shape[1])[None, :]
-    cos, sin = layers.rope_cos_sin(
-        positions, layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    )
+    cos, sin = attention.rope_tables(cfg, positions)
     x = constrain(jnp.take(params.embed, tokens, axis=0))
 
     def body(x, layer):
@@ -258,7 +219,7 @@ def forward(
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     stats, first = [], 0
-    for (blocks, _), windows in zip(params.stacks(), layer_windows(cfg)):
+    for (blocks, _), windows in zip(params.stacks(), attention.layer_windows(cfg)):
         n = jax.tree.leaves(blocks)[0].shape[0]
         keys = None if dropout_key is None else jax.random.split(jax.random.fold_in(dropout_key, first), n)
         cut = min(max(frozen_layers - first, 0), n)

@@ -1,0 +1,258 @@
+"""Attention, written once: q/k/v projection, RoPE, masks, the score/softmax/value core, the KV-cache update.
+
+The training forward (`transformer.attention_block`), the KV-cache forward
+(`inference.decode.forward_cached`) and the CPU decode step
+(`inference.cpu_decode`) all call these functions; they differ only in where
+keys and values come from (this chunk, or a cache) and in how a cache is laid
+out in memory (`CacheLayout`).
+
+Shapes: queries are grouped by the KV head they share, q [batch, T, kv_heads,
+group, head_dim], so KV is never repeated; new keys and values are [batch, T,
+kv_heads, head_dim]. Scores and softmax are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from shipyard.config import ModelConfig
+from shipyard.model import layers
+from shipyard.model.lora import LoraParams, delta
+
+GLOBAL_WINDOW = 2**30
+"""The window of a global layer where windows are per-layer arrays: no sequence reaches it."""
+
+
+class AttentionWeights(NamedTuple):
+    """One block's attention weights (or a stack's, with a leading `layers` axis), q|k|v fused per KV head."""
+
+    qkv: jax.Array | tuple[jax.Array, jax.Array, jax.Array]
+    """[embed, kv_heads, group + 2, head_dim]: per KV head its group of query heads, then k, then v. Or
+    its three parts along the group axis (q [embed, kv_heads, group, head_dim], k and v [..., 1, head_dim]):
+    then the three projections run apart and their outputs are concatenated instead of the weights."""
+    qkv_bias: jax.Array | None
+    """[kv_heads, group + 2, head_dim] (qkv_bias models only)."""
+    q_norm: jax.Array | None
+    k_norm: jax.Array | None
+    wo: jax.Array
+    """[heads * head_dim, embed]"""
+    lora: LoraParams | None = None
+
+
+class CacheLayout(NamedTuple):
+    """Axis order of cached keys and values, as einsum subscripts over b (batch), s (slot), k (KV head), d;
+    and which operand of the two attention products comes first (see `contract`)."""
+
+    k: str
+    v: str
+    cache_first: bool
+    """Keys / values as the left operand: the order jnp.einsum picks, which training's numerics have always
+    had. With queries / probabilities on the left, a head-major cache makes both products plain batched
+    matmuls (keys or values on the left there cost transposed copies of the queries and of the output)."""
+
+
+SEQ_MAJOR = CacheLayout("bskd", "bskd", cache_first=True)
+"""The layout of new keys and values and of `KVCache` layers."""
+HEAD_MAJOR = CacheLayout("bkds", "bksd", cache_first=False)
+"""Keys transposed, values head-major: for one query per row both attention products are plain
+batched matmuls over the cache with no copy of it (the CPU decode step)."""
+
+
+class LayerKV(NamedTuple):
+    """One layer's cached keys and values, laid out per a `CacheLayout`, `max_len` slots."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def qkv_parts(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int) -> tuple[jax.Array, ...]:
+    """q [..., heads, D], k and v [..., kv_heads, D] -> [..., kv_heads, group, D], [..., kv_heads, 1, D] (twice)."""
+    q = q.reshape(*q.shape[:-2], num_kv_heads, q.shape[-2] // num_kv_heads, q.shape[-1])
+    return q, k[..., None, :], v[..., None, :]
+
+
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q [..., heads, D], k and v [..., kv_heads, D] -> [..., kv_heads, group + 2, D].
+
+    kv_heads stays outermost, so a kv_heads / heads sharding survives the concatenation.
+    """
+    return jnp.concatenate(qkv_parts(q, k, v, num_kv_heads), axis=-2)
+
+
+def attention_weights(p, num_kv_heads: int, fused: bool = True) -> AttentionWeights:
+    """`AttentionWeights` of a block's (or a stack's) per-projection weights (`transformer.BlockParams`).
+
+    Training calls this per layer inside the forward pass, so the stored
+    layout (and its shardings) stays per projection and only the fused copy
+    is made. `fused=False` keeps q, k and v apart (no copy at all): for steps
+    over a few tokens, where copying the weights would cost more than the
+    two extra matmul calls.
+    """
+    bias = None if p.bq is None else fuse_qkv(p.bq, p.bk, p.bv, num_kv_heads)
+    wo = p.wo.reshape(*p.wo.shape[:-3], -1, p.wo.shape[-1])
+    qkv = (fuse_qkv if fused else qkv_parts)(p.wq, p.wk, p.wv, num_kv_heads)
+    return AttentionWeights(qkv, bias, p.q_norm, p.k_norm, wo, p.lora)
+
+
+def project_qkv(cfg: ModelConfig, h: jax.Array, w: AttentionWeights, key=None):
+    """Normed input h [batch, T, embed] -> q [batch, T, kv_heads, group, D], k and v [batch, T, kv_heads, D].
+
+    One matmul for Q, K and V (with fused weights): wider matmuls run far closer to peak on CPU.
+    Adds biases, LoRA deltas (`key`: LoRA dropout) and the q/k RMSNorms, before RoPE.
+    """
+    parts = w.qkv if isinstance(w.qkv, tuple) else (w.qkv,)
+    out = [layers.dense(h, a.reshape(a.shape[0], -1)).reshape(*h.shape[:2], *a.shape[1:]) for a in parts]
+    qkv = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-2)
+    G = qkv.shape[-2] - 2
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias
+    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if w.lora is not None:
+        q = layers.add_optional(q, delta(w.lora, "q", h, key))
+        k = layers.add_optional(k, delta(w.lora, "k", h, key))
+        v = layers.add_optional(v, delta(w.lora, "v", h, key))
+    if w.q_norm is not None:
+        q = layers.rms_norm(q, w.q_norm, cfg.norm_eps)
+        k = layers.rms_norm(k, w.k_norm, cfg.norm_eps)
+    return q, k, v
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for RoPE positions [batch or 1, T] (Llama-3 scaling when the config has it)."""
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return layers.rope_cos_sin(positions, inv_freq)
+
+
+def mask(
+    q_slots: jax.Array,
+    k_slots: jax.Array,
+    window=None,
+    segment_ids: jax.Array | None = None,
+    first_key: jax.Array | None = None,
+) -> jax.Array:
+    """Which keys each query sees: bool [batch or 1, T, S].
+
+    q_slots [T] and k_slots [S] are sequence (or cache) positions. Causal;
+    `window` (optional; a traced per-layer size under scan, >= the sequence
+    means global) keeps the last `window` positions; `segment_ids` [batch, T]
+    (T == S) stop attention across packed documents; `first_key` [batch]
+    hides keys before each row's first real token (left padding).
+    """
+    seen = k_slots[None, :] <= q_slots[:, None]
+    if window is not None:
+        seen = seen & (q_slots[:, None] - k_slots[None, :] < window)
+    seen = seen[None]
+    if first_key is not None:
+        seen = seen & (k_slots[None, None, :] >= first_key[:, None, None])
+    if segment_ids is not None:
+        seen = seen & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return seen
+
+
+def contract(x: jax.Array, x_spec: str, y: jax.Array, y_spec: str, out_spec: str, **kw) -> jax.Array:
+    """jnp.einsum(f"{x_spec},{y_spec}->{out_spec}", x, y) with x as dot_general's left operand.
+
+    jnp.einsum picks the operand order itself; otherwise this builds what it
+    does (batch dimensions in the output's order, the result dtype as the
+    preferred element type, then one transpose to `out_spec`).
+    """
+    batch = [c for c in out_spec if c in x_spec and c in y_spec]
+    summed = [c for c in x_spec if c in y_spec and c not in out_spec]
+    summed_dims = ([x_spec.index(c) for c in summed], [y_spec.index(c) for c in summed])
+    batch_dims = ([x_spec.index(c) for c in batch], [y_spec.index(c) for c in batch])
+    kw.setdefault("preferred_element_type", jnp.result_type(x, y))
+    out = jax.lax.dot_general(x, y, (summed_dims, batch_dims), **kw)
+    got = batch + [c for c in x_spec if c not in y_spec] + [c for c in y_spec if c not in x_spec]
+    return out if got == list(out_spec) else out.transpose([got.index(c) for c in out_spec])
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: CacheLayout = SEQ_MAJOR):
+    """Softmax(q k^T / sqrt(D)) v over the keys `seen` [batch or 1, T, S] allows: [batch, T, kv_heads, group, D].
+
+    q [batch, T, kv_heads, group, D]; k and v laid out per `layout`.
+    """
+
+    def product(a, a_spec, b, b_spec, out_spec, **kw):
+        if layout.cache_first:
+            return contract(b, b_spec, a, a_spec, out_spec, **kw)
+        return contract(a, a_spec, b, b_spec, out_spec, **kw)
+
+    scores = product(q, "btkgd", k, layout.k, "bkgts", preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(q.shape[-1]))
+    scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return product(probs, "bkgts", v, layout.v, "btkgd")
+
+
+def update_cache(cache: LayerKV, k: jax.Array, v: jax.Array, pos, layout: CacheLayout = SEQ_MAJOR) -> LayerKV:
+    """Write new keys and values [batch, T, kv_heads, D] into cache slots pos..pos+T-1 (in place under donation)."""
+
+    def put(buf, new, spec):
+        new = new.transpose([SEQ_MAJOR.k.index(c) for c in spec]).astype(buf.dtype)
+        at = [0] * 4
+        at[spec.index("s")] = pos
+        return jax.lax.dynamic_update_slice(buf, new, at)
+
+    return LayerKV(put(cache.k, k, layout.k), put(cache.v, v, layout.v))
+
+
+def project_out(w: AttentionWeights, attn: jax.Array, key=None) -> jax.Array:
+    """Attention outputs [batch, T, kv_heads, group, D] -> [batch, T, embed] (plus the LoRA delta)."""
+    attn = attn.reshape(*attn.shape[:2], -1)
+    out = layers.dense(attn, w.wo)
+    if w.lora is not None:
+        out = layers.add_optional(out, delta(w.lora, "o", attn, key))
+    return out
+
+
+def self_attention(
+    cfg: ModelConfig,
+    h: jax.Array,
+    w: AttentionWeights,
+    cos: jax.Array,
+    sin: jax.Array,
+    seen: jax.Array,
+    *,
+    key=None,
+    cache: LayerKV | None = None,
+    pos=None,
+    layout: CacheLayout = SEQ_MAJOR,
+) -> tuple[jax.Array, LayerKV | None]:
+    """The attention branch for normed input h [batch, T, embed]: (output [batch, T, embed], cache).
+
+    Without a cache, queries attend to this chunk's keys; with one, the new
+    keys and values are written at slots pos..pos+T-1 first and queries
+    attend over the whole cache (`seen` over its slots).
+    """
+    q, k, v = project_qkv(cfg, h, w, key)
+    q = layers.apply_rope(q, cos, sin)
+    k = layers.apply_rope(k, cos, sin)
+    if cache is not None:
+        cache = update_cache(cache, k, v, pos, layout)
+        k, v = cache
+    return project_out(w, attend(q, k, v, seen, layout), key), cache
+
+
+def layer_window_sizes(cfg: ModelConfig) -> list[int | None]:
+    """Each layer's attention window, None where it attends globally (every `global_attention_every`-th)."""
+    every = cfg.global_attention_every
+    return [
+        None
+        if cfg.sliding_window is None or (every is not None and (i + 1) % every == 0)
+        else cfg.sliding_window
+        for i in range(cfg.num_layers)
+    ]
+
+
+def layer_windows(cfg: ModelConfig) -> list[jax.Array | None]:
+    """Per stack (dense layers, then MoE layers), each layer's window as an int array for `lax.scan`,
+    or None when no layer is local. Global layers get `GLOBAL_WINDOW`."""
+    if cfg.sliding_window is None:
+        return [None, None]
+    sizes = [GLOBAL_WINDOW if w is None else w for w in layer_window_sizes(cfg)]
+    d = cfg.num_dense_layers
+    return [jnp.asarray(w, jnp.int32) for w in (sizes[:d], sizes[d:]) if w]
