@@ -21,8 +21,32 @@ CHATML_TEMPLATE = (
 )
 
 
+# a small GQA Llama, untied (so export writes lm_head and the tensor comparison covers it)
+SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+SHAPE["tie_word_embeddings"] = False
+
+
 def corpus(n: int = 200) -> list[str]:
-    words = ["the", "model", "reads", "a", "token", "and", "writes", "the", "next", "one", "upper", "lower", "value", "parse", "def", "return"]
+    words = [
+        "the",
+        "model",
+        "reads",
+        "a",
+        "token",
+        "and",
+        "writes",
+        "the",
+        "next",
+        "one",
+        "upper",
+        "lower",
+        "value",
+        "parse",
+        "def",
+        "return",
+    ]
     return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12 + i % 9)) for i in range(n)]
 
 
@@ -63,20 +87,11 @@ def write_hf_model(out: Path, seed: int = 0, max_positions: int = 128):
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     end = tok.token_to_id("<|im_end|>")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=tok.get_vocab_size(),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=False,
-            eos_token_id=end,
-            pad_token_id=tok.token_to_id("<|endoftext|>"),
-        )
+    ids = dict(eos_token_id=end, pad_token_id=tok.token_to_id("<|endoftext|>"))
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=max_positions, **SHAPE, **ids
     )
+    model = LlamaForCausalLM(config)
     with torch.no_grad():  # random init is near zero; larger weights make greedy text depend on the model
         for p in model.parameters():
             p.mul_(4.0 if p.ndim > 1 else 1.0)

@@ -127,23 +127,32 @@ def fake_tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return src
 
 
+# One planted tree for both rules: upward imports (model -> train, data -> train relative, base -> cli,
+# parallel -> eval through importlib) and uses of private names (from-import, attribute of a module
+# imported three ways); public names, dunders, downward imports and a module's own privates are fine.
+PLANTED = {
+    "model/layers.py": "def _helper(): ...\ndef public(): ...\n_TABLE = {}\n\n\ndef f():\n"
+    "    from shipyard.train import step\n    return step\n",
+    "data/loader.py": "from ..train.step import make\n",
+    "config.py": "import shipyard.cli.main\n",
+    "parallel/mesh.py": "import importlib\nm = importlib.import_module('shipyard.eval.loglik')\n",
+    "train/step.py": "from shipyard.model.layers import _helper, public\nfrom shipyard.model import layers\n"
+    "from shipyard.config import Config\n\ndef make(): ...\n",
+    "cli/main.py": "from shipyard.train import step\n",
+    "eval/loglik.py": "",
+    "train/trainer.py": "from shipyard.model import layers\n\ndef f():\n    return layers._TABLE\n",
+    "train/loss.py": "import shipyard.model.layers as L\nx = L._helper\n",
+    "train/optim.py": "import shipyard.model.layers\ny = shipyard.model.layers._helper\n",
+    "train/metrics.py": "from . import step\nz = step.__name__\n\ndef _own(): ...\nw = _own\n",
+}
+
+
 def test_upward_imports_are_caught(tmp_path):
-    src = fake_tree(
-        tmp_path,
-        {
-            "model/layers.py": "def f():\n    from shipyard.train import step\n    return step\n",
-            "data/loader.py": "from ..train.step import make\n",
-            "config.py": "import shipyard.cli.main\n",
-            "parallel/mesh.py": "import importlib\nm = importlib.import_module('shipyard.eval.loglik')\n",
-            "train/step.py": "from shipyard.model import layers\nfrom shipyard.config import Config\n\ndef make(): ...\n",
-            "cli/main.py": "from shipyard.train import step\n",
-            "eval/loglik.py": "",
-        },
-    )
+    src = fake_tree(tmp_path, PLANTED)
     edges = upward_edges(src)
     text = "\n".join(edges)
     assert (
-        "shipyard/model/layers.py:2 shipyard.model.layers (model) imports shipyard.train.step (train)" in text
+        "shipyard/model/layers.py:7 shipyard.model.layers (model) imports shipyard.train.step (train)" in text
     )
     assert "shipyard/data/loader.py:1 shipyard.data.loader (data) imports shipyard.train.step (train)" in text
     assert "shipyard/config.py:1 shipyard.config (base) imports shipyard.cli.main (cli)" in text
@@ -153,17 +162,7 @@ def test_upward_imports_are_caught(tmp_path):
 
 
 def test_private_names_are_caught(tmp_path):
-    src = fake_tree(
-        tmp_path,
-        {
-            "model/layers.py": "def _helper(): ...\ndef public(): ...\n_TABLE = {}\n",
-            "train/step.py": "from shipyard.model.layers import _helper, public\n",
-            "train/trainer.py": "from shipyard.model import layers\n\ndef f():\n    return layers._TABLE\n",
-            "train/loss.py": "import shipyard.model.layers as L\nx = L._helper\n",
-            "train/optim.py": "import shipyard.model.layers\ny = shipyard.model.layers._helper\n",
-            "train/metrics.py": "from . import step\nz = step.__name__\n\ndef _own(): ...\nw = _own\n",
-        },
-    )
+    src = fake_tree(tmp_path, PLANTED)
     uses = private_uses(src)
     text = "\n".join(uses)
     assert "shipyard/train/step.py:1 shipyard.train.step imports shipyard.model.layers._helper" in text

@@ -15,6 +15,13 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
+def command_group(sub, name: str, help: str):
+    """`shipyard NAME ...`: a command with subcommands of its own (config, data, export, import);
+    returns the subparsers to add them to (`args.NAME_command` names the one given)."""
+    group = sub.add_parser(name, help=help)
+    return group.add_subparsers(dest=f"{name}_command", required=True, parser_class=Parser)
+
+
 CONFIG_HELP = (
     "preset name, YAML file, or a model directory to start from (run, `import hf` output, HF directory)"
 )

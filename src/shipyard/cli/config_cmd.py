@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shipyard.cli.args import CONFIG_HELP, Parser, load_config_arg
+from shipyard.cli.args import CONFIG_HELP, command_group, load_config_arg
 
 
 def _human(n: float) -> str:
@@ -39,8 +39,7 @@ def _cmd_config_show(args) -> int:
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    cfg = sub.add_parser("config", help="inspect configs")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=Parser)
+    cfg_sub = command_group(sub, "config", "inspect configs")
     show = cfg_sub.add_parser(
         "show", help="print the resolved config as YAML, ending with the parameter count"
     )

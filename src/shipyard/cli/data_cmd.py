@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import Parser
+from shipyard.cli.args import command_group
 
 
 def _cmd_data_bytes(args) -> int:
@@ -122,8 +122,7 @@ def _cmd_data_verify(args) -> int:
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    data = sub.add_parser("data", help="prepare data")
-    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
+    data_sub = command_group(sub, "data", "prepare data")
     by = data_sub.add_parser("bytes", help="write the stdlib corpus as byte-level tokens (.npy)")
     by.add_argument("--out", type=Path, required=True, help="output .npy path")
     by.add_argument("--split", choices=("train", "validation"), default="train")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import Parser, add_model_dir
+from shipyard.cli.args import add_model_dir, command_group
 from shipyard.output import refuse_existing
 
 
@@ -52,8 +52,7 @@ def _cmd_import_hf(args) -> int:
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
-    ex = sub.add_parser("export", help="export a model (a run's checkpoint, an import) to another format")
-    ex_sub = ex.add_subparsers(dest="export_command", required=True, parser_class=Parser)
+    ex_sub = command_group(sub, "export", "export a model (a run's checkpoint, an import) to another format")
     exh = ex_sub.add_parser(
         "hf", help="Hugging Face Llama directory (config.json, model.safetensors, tokenizer)"
     )
@@ -74,8 +73,7 @@ def register(sub) -> None:
     )
     exp.set_defaults(func=_cmd_export_peft)
 
-    im = sub.add_parser("import", help="import a checkpoint from another format")
-    im_sub = im.add_subparsers(dest="import_command", required=True, parser_class=Parser)
+    im_sub = command_group(sub, "import", "import a checkpoint from another format")
     imh = im_sub.add_parser(
         "hf", help="Hugging Face Llama/Mistral safetensors directory -> params + config.yaml"
     )
