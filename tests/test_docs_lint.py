@@ -38,7 +38,7 @@ def line_of(text: str, needle: str) -> int:
 
 ARCH = """# Architecture (planted drift)
 
-`transformer.layer_windows` is real and `transformer.layer_window` is not.
+`attention.layer_windows` is real and `attention.layer_window` is not.
 `parallel/mesh.py: DEFAULT_RULES` is real; `parallel/mesh.py: NO_SUCH_TABLE` is not.
 `train/step.py: make_train_step(cfg)` lacks a required argument;
 `train/step.py: make_train_step(cfg, optimizer, partition=None)` fits.
@@ -101,7 +101,7 @@ def test_code_references_are_checked(planted_run):
     d, docs, rc, out = planted_run
     arch = [o for o in out if "architecture.md:" in o]
     expect = {
-        "transformer.layer_window`": "defines no `layer_window`",
+        "attention.layer_window`": "defines no `layer_window`",
         "NO_SUCH_TABLE": "defines no `NO_SUCH_TABLE`",
         "make_train_step(cfg)`": "also requires optimizer",
         "no_such_module.py": "no such file",
