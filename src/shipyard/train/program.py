@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shipyard.config import Config
 from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.errors import ConfigError
-from shipyard.model.params import abstract_params, init_params, param_shardings
+from shipyard.model.params import abstract_params, param_shardings
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.finetune import Partition
 from shipyard.train.optim import build_optimizer
@@ -98,14 +98,19 @@ def document_eos_id(cfg: Config, data_eos_id: int | None) -> int | None:
 
 def abstract_state(cfg: Config, specs, shardings, optimizer) -> TrainState:
     """The train state's shapes, dtypes and shardings on this mesh, without allocating it
-    (what a checkpoint is restored into; the shardings are the ones a fresh init produces)."""
-    key = jax.random.key(cfg.train.seed)
+    (what a checkpoint is restored into; the shardings are the ones a fresh init produces).
 
-    def make():
-        return init_state(cfg, init_params(specs, key, shardings), optimizer, shardings)
+    Shapes from `eval_shape`, shardings from compiling (never running) `init_state` on the
+    abstract params at their shardings, which is where `init_params` creates them; leaving the
+    random draws out of the compiled function keeps this well under a second.
+    """
+    params = abstract_params(specs, shardings)
 
-    shapes = jax.eval_shape(make)
-    out_shardings = jax.jit(make).lower().compile().output_shardings
+    def make(params):
+        return init_state(cfg, params, optimizer, shardings)
+
+    shapes = jax.eval_shape(make, params)
+    out_shardings = jax.jit(make).lower(params).compile().output_shardings
     return jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_shardings
     )
