@@ -205,3 +205,53 @@ def test_sft_with_the_models_chatml_template_trains_bitwise_as_the_builtin_chatm
         assert main([*args, "--run-dir", str(run)]) == 0
         losses[template] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert losses["hf"] == losses["chatml"] and len(losses["hf"]) >= 1
+
+
+def test_training_an_import_on_a_npy_keeps_its_tokenizer(byo, tmp_path, capsys):
+    from chat_fixtures import QUIET
+
+    ids = np.array([t for text in corpus(80) for t in byo["tok"].encode(text + "\n").ids], np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    run = tmp_path / "run"
+    base = ["train", str(byo["imported"] / "config.yaml"), f"data.train_tokens={tmp_path / 'ids.npy'}"]
+    args = [*base, "data.seq_len=32", "train.steps=1", "train.global_batch_size=8", *QUIET]
+    assert main([*args, "--run-dir", str(run)]) == 0
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (byo["hf"] / "tokenizer.json").read_bytes()
+    assert (run / "tokenizer" / "tokenizer_config.json").is_file()  # with the chat template
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "the model", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("--- 'the model'\nthe model")
+
+    # ids the tokenizer does not have (the model's vocabulary may be padded past it): refused in one line
+    from shipyard.config import load_config
+    from shipyard.errors import DataError
+    from shipyard.runs import check_ids_fit
+
+    np.save(tmp_path / "bad.npy", np.append(ids, byo["tok"].get_vocab_size() + 5).astype(np.uint16))
+    cfg = load_config(
+        "tiny", [f"data.train_tokens={tmp_path / 'bad.npy'}"]
+    )  # vocab 512 > the tokenizer's 320
+    with pytest.raises(DataError, match=r"holds token id 325, but the model's tokenizer .* has 320 tokens"):
+        check_ids_fit(cfg, byo["hf"])
+    check_ids_fit(load_config("tiny", [f"data.train_tokens={tmp_path / 'ids.npy'}"]), byo["hf"])
+
+
+def test_a_byte_level_run_has_no_tokenizer_and_says_how_to_give_one(tmp_path, byte_tokens, capsys):
+    from chat_fixtures import QUIET
+
+    run = tmp_path / "bytes"
+    args = [
+        "train",
+        "tiny",
+        f"data.train_tokens={byte_tokens}",
+        "train.steps=1",
+        *QUIET,
+        "--run-dir",
+        str(run),
+    ]
+    assert main(args) == 0
+    assert not (run / "tokenizer").exists()
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "x"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tokenizer" in err and "--tokenizer DIR" in err, err

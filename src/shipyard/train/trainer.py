@@ -18,7 +18,7 @@ from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed
-from shipyard.runs import base_params
+from shipyard.runs import base_params, check_ids_fit, run_tokenizer
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.loop import (
     Evaluator,
@@ -89,13 +89,15 @@ class TrainData:
     """Token sources (pretraining; empty for chats)."""
     chat: dict | None
     """load_chat_data's result (chat SFT)."""
+    tokenizer: Path | None = None
+    """The tokenizer the model speaks (recorded in <run>/tokenizer); None for id .npy files from scratch."""
 
 
 def load_data(cfg: Config, say: Say) -> TrainData:
     if cfg.data.chat is not None:
         chat = load_chat_data(cfg)
         say(chat["summary"])
-        return TrainData(chat["loader"], chat["validation"], None, [], chat)
+        return TrainData(chat["loader"], chat["validation"], None, [], chat, Path(chat["tokenizer"]))
     paths, weights = cfg.data.sources()
     if not paths:
         raise ConfigError(
@@ -111,7 +113,10 @@ def load_data(cfg: Config, say: Say) -> TrainData:
     val = None
     if cfg.train.eval_every is not None:
         val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
-    return TrainData(loader, val, eos_id, paths, None)
+    tokenizer = run_tokenizer(cfg)
+    if tokenizer is not None:
+        check_ids_fit(cfg, tokenizer)
+    return TrainData(loader, val, eos_id, paths, None, tokenizer)
 
 
 def run_inputs(cfg: Config, data: TrainData) -> dict:
@@ -136,8 +141,10 @@ def open_run_dir(
     inputs = run_inputs(cfg, data)
     if main:
         write_run_header(run_dir, cfg, inputs)
-        if data.chat is not None:  # the run carries its tokenizer: export, generate and chat find it there
-            copy_tokenizer(data.chat["tokenizer"], run_dir / "tokenizer")
+        if (
+            data.tokenizer is not None
+        ):  # the run carries its tokenizer: export, generate and chat find it there
+            copy_tokenizer(data.tokenizer, run_dir / "tokenizer")
     return False
 
 
