@@ -75,16 +75,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case, edit, message", CASES, ids=[c[0] for c in CASES])
-def test_bad_config_json_is_one_line_exit_3_nothing_written(tmp_path, capsys, case, edit, message):
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """A valid model.safetensors of `tiny` (only the files next to it differ between cases)."""
     cfg = load_config("tiny").model
+    out = tmp_path_factory.mktemp("weights")
+    write_safetensors(to_hf_tensors(_zeros(cfg), cfg), out)
+    return out / "model.safetensors"
+
+
+@pytest.mark.parametrize("case, edit, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_json_is_one_line_exit_3_nothing_written(tmp_path, capsys, weights, case, edit, message):
     src = tmp_path / "hf"
     src.mkdir()
-    rng = np.random.default_rng(0)
-    tensors = {
-        k: rng.normal(size=v.shape).astype(np.float32) for k, v in to_hf_tensors(_zeros(cfg), cfg).items()
-    }
-    write_safetensors(tensors, src)
+    (src / "model.safetensors").symlink_to(weights)
     config = _good()
     edit(config)
     if case == "not an object":
@@ -111,3 +115,41 @@ def _zeros(cfg):
     from shipyard.model.transformer import param_specs
 
     return jax.tree.map(np.asarray, init_params(param_specs(cfg), jax.random.key(0)))
+
+
+# (case, file, its text, what the one line must say): the files that travel with the weights
+SIDE_CASES = [
+    ("generation config not JSON", "generation_config.json", "{", "generation_config.json is not valid JSON"),
+    ("eos as a string", "generation_config.json", '{"eos_token_id": "</s>"}', "eos_token_id is '</s>'"),
+    ("top_p above 1", "generation_config.json", '{"do_sample": true, "top_p": 2}', "top_p is 2; expected"),
+    ("tokenizer config not JSON", "tokenizer_config.json", "[1,", "tokenizer_config.json: not valid JSON"),
+    (
+        "template does not parse",
+        "tokenizer_config.json",
+        json.dumps({"chat_template": "{% for m in messages %}{{ m.content }"}),
+        "does not parse",
+    ),
+    (
+        "template raises",
+        "tokenizer_config.json",
+        json.dumps({"chat_template": "{{ raise_exception('Conversation roles must alternate') }}"}),
+        "raise_exception: Conversation roles must alternate",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, name, text, message", SIDE_CASES, ids=[c[0] for c in SIDE_CASES])
+def test_bad_side_files_are_one_line_exit_3_nothing_written(
+    tmp_path, capsys, weights, case, name, text, message
+):
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(weights)
+    (src / "config.json").write_text(json.dumps(_good()))
+    (src / name).write_text(text)
+    out = tmp_path / "out"
+    assert main(["import", "hf", str(src), str(out)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: import hf: "), err
+    assert message in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -287,6 +287,22 @@ def read_hf_dir(hf_dir: Path, what: str = "import hf"):
     return model, from_hf_tensors(read_safetensors(hf_dir, what), model, str(hf_dir), what)
 
 
+def check_side_files(hf_dir: Path, what: str) -> None:
+    """The files that travel with the weights, checked before anything is written: generation_config.json
+    (every key it sets) and the chat template (it parses and renders a one-message conversation)."""
+    from shipyard.data.hf_template import load_hf_template
+    from shipyard.interop.hf_config import read_generation_config
+
+    if (Path(hf_dir) / "generation_config.json").is_file():
+        read_generation_config(Path(hf_dir) / "generation_config.json", what)
+    try:
+        template = load_hf_template(hf_dir)
+        if template is not None:
+            template.text([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    except DataError as e:
+        raise DataError(f"{what}: {e}") from e
+
+
 def run_config_for(model: ModelConfig, init_from: Path) -> dict:
     """The config a model read from elsewhere trains with by default (what `import hf` writes)."""
     return {
@@ -350,6 +366,8 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
 
     hf_dir, out = Path(hf_dir), Path(out)
     refuse_existing(out, "import hf")  # before reading gigabytes
+    read_hf_config(hf_dir)
+    check_side_files(hf_dir, "import hf")
     model, params = read_hf_dir(hf_dir)
     with atomic_dir(out, "import hf") as tmp:
         with ocp.StandardCheckpointer() as ckpt:
