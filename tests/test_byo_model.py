@@ -255,3 +255,27 @@ def test_a_byte_level_run_has_no_tokenizer_and_says_how_to_give_one(tmp_path, by
     assert main(["generate", str(run), "--prompt", "x"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tokenizer" in err and "--tokenizer DIR" in err, err
+
+
+def test_chat_drops_the_oldest_exchanges_not_tokens_mid_turn(byo):
+    from shipyard.inference.chat import ChatModel
+    from shipyard.runs import open_model_dir
+    from shipyard.train.sft_data import chat_format_for
+
+    model_dir = open_model_dir(byo["hf"], "test")
+    fmt = chat_format_for(model_dir.tokenizer(), "auto")
+    chat = ChatModel(model_dir.config, None, fmt)
+    history = []
+    for i in range(6):
+        history += [
+            {"role": "user", "content": f"upper value {i} " * 3},
+            {"role": "assistant", "content": "ok"},
+        ]
+    history.append({"role": "user", "content": "the model reads"})
+    context = model_dir.config.model.max_seq_len  # 128
+    assert len(fmt.prompt(history)) + 32 > context  # too long as it is
+    prompt = chat.fit(history, 32)
+    assert len(prompt) <= context - 32
+    kept = next(history[i:] for i in range(0, len(history), 2) if fmt.prompt(history[i:]) == prompt)
+    assert kept[-1]["content"] == "the model reads" and kept[0]["role"] == "user"  # whole exchanges went
+    assert len(fmt.prompt(history[len(history) - len(kept) - 2 :])) > context - 32  # as few as needed
