@@ -58,7 +58,9 @@ class ModelDir:
         """The checkpoint `step` (default: the newest); a RunDirError naming what is missing."""
         if self.kind != "run":
             if step is not None:
-                raise RunDirError(f"{what}: {self.path} is an imported model; it has no checkpoint steps")
+                raise RunDirError(
+                    f"{what}: --step {step}: {self.path} is {_LABELS[self.kind]}, which has no checkpoint steps"
+                )
             return None
         if step is None:
             return self.steps[0]
@@ -119,13 +121,15 @@ class ModelDir:
 
         cfg = self.config
         step = self.step(step, what)
+        if self.kind == "hf" and to_host:  # already host arrays: no round trip through the devices
+            return Weights(cfg, None, _read_hf_params(self.path, None, what))
         devices = jax.local_devices()
         n = len(devices) if cfg.model.hidden_size % len(devices) == 0 else 1
         mesh_cfg = MeshConfig(data=1, fsdp=n)
         mesh, rules = make_mesh(mesh_cfg, devices[:n]), rules_for(mesh_cfg)
         full = param_specs(cfg.model)
         if self.kind == "hf":
-            params = _read_hf_params(self.path, full, param_shardings(full, mesh, rules), what)
+            params = _read_hf_params(self.path, param_shardings(full, mesh, rules), what)
         elif self.kind == "import":
             params = load_init_params(self.path, full, param_shardings(full, mesh, rules))
         else:
@@ -162,17 +166,18 @@ class ModelDir:
         return restore_params(checkpoint_dir(self.path), step, abstract_params(specs, shardings))
 
 
+_LABELS = {"import": "an `import hf` output", "hf": "a Hugging Face model directory"}
 _KINDS = "a run directory, an `import hf` output or a Hugging Face model directory"
 
 
-def _read_hf_params(path: Path, specs, shardings, what: str):
-    """An HF directory's params, read on the host and placed onto `shardings`."""
+def _read_hf_params(path: Path, shardings, what: str):
+    """An HF directory's params, read on the host and placed onto `shardings` (None: left on the host)."""
     import jax
 
     from shipyard.interop.hf import read_hf_dir
 
     _, params = read_hf_dir(path, what)
-    return jax.device_put(params, shardings)
+    return params if shardings is None else jax.device_put(params, shardings)
 
 
 def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = None) -> ModelDir:

@@ -366,9 +366,9 @@ def import_hf(hf_dir: Path, out: Path) -> dict:
 
     hf_dir, out = Path(hf_dir), Path(out)
     refuse_existing(out, "import hf")  # before reading gigabytes
-    read_hf_config(hf_dir)
+    model = read_hf_config(hf_dir)  # config.json, then the side files, then the tensors: cheap checks first
     check_side_files(hf_dir, "import hf")
-    model, params = read_hf_dir(hf_dir)
+    params = from_hf_tensors(read_safetensors(hf_dir), model, str(hf_dir))
     with atomic_dir(out, "import hf") as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save((tmp / "params").absolute(), params)
