@@ -249,9 +249,16 @@ def run_tokenizer(cfg: Config) -> Path | None:
     for p in paths:
         if (Path(p) / "tokenizer.json").is_file():
             return Path(p)
-    if cfg.train.init_from is None:
-        return None
-    base = Path(cfg.train.init_from)
+    return None if cfg.train.init_from is None else init_from_tokenizer(cfg.train.init_from)
+
+
+def init_from_tokenizer(init_from: str | Path) -> Path | None:
+    """The tokenizer that came with train.init_from: next to it (an `import hf` directory or its
+    params/, an HF directory, a run's tokenizer/), else the one its model directory speaks."""
+    base = Path(init_from)
+    for candidate in (base, base.parent, base / "tokenizer"):
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
     for candidate in (base, base.parent):  # an import's params/ sits inside the import
         if (candidate / "config.yaml").is_file() or (candidate / "config.json").is_file():
             return open_model_dir(candidate, "train.init_from").tokenizer()
@@ -284,14 +291,9 @@ def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Pa
         raise DataError(
             "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
         )
-    base = Path(init_from)
-    for candidate in (base, base.parent, base / "tokenizer"):
-        if (candidate / "tokenizer.json").is_file():
-            return candidate
-    if (base / "config.yaml").is_file():
-        found = tokenizer_of(load_config(str(base / "config.yaml")), base)
-        if found is not None:
-            return found
+    found = init_from_tokenizer(init_from)
+    if found is not None:
+        return found
     raise DataError(
         f"data.chat.tokenizer: not set and no tokenizer.json found with train.init_from={init_from}; "
         "set data.chat.tokenizer to the base model's tokenizer.json"
