@@ -29,6 +29,10 @@ def _check_context(prompts: list[list[int]], max_new_tokens: int, context: int, 
 
 
 def _cmd_generate(args) -> int:
+    from shipyard.inference.artifact import is_artifact
+
+    if is_artifact(args.run_dir):  # `shipyard export stablehlo` output: its own programs, no model built
+        return _generate_from_artifact(args)
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.inference.generate import Generator
     from shipyard.runs import open_model_dir
@@ -43,8 +47,8 @@ def _cmd_generate(args) -> int:
     _check_context(prompts, args.max_new_tokens, model_dir.config.model.max_seq_len, "generate")
     cfg, step, params = model_dir.load(args.step, what="generate")
 
-    def stop(tokens: list[int]) -> bool:
-        return bool(args.stop) and any(s in tok.decode(tokens, skip_special_tokens=False) for s in args.stop)
+    def decode(tokens: list[int]) -> str:
+        return tok.decode(tokens, skip_special_tokens=False)
 
     outs = Generator(params, cfg.model)(
         prompts,
@@ -52,14 +56,57 @@ def _cmd_generate(args) -> int:
         **_sampling(args, gen, 0.0, None, None),
         seed=args.seed,
         stop_ids=stop_ids,
-        stop=stop,
+        stop=_text_stop(decode, args.stop),
     )
-    for prompt, out in zip(args.prompt, outs):
-        text = tok.decode([t for t in out if t not in stop_ids], skip_special_tokens=False)
-        for s in args.stop:
+    _print_completions(args.prompt, outs, decode, stop_ids, args.stop)
+    return 0
+
+
+def _text_stop(decode, stops: list[str]):
+    """The `stop` callback of `--stop TEXT`: a row ends once its decoded text holds one of them."""
+
+    def stop(tokens: list[int]) -> bool:
+        return bool(stops) and any(s in decode(tokens) for s in stops)
+
+    return stop
+
+
+def _print_completions(prompts: list[str], outs: list[list[int]], decode, stop_ids, stops: list[str]) -> None:
+    """Each prompt and its completion (stop ids dropped, cut before the first --stop text)."""
+    for prompt, out in zip(prompts, outs):
+        text = decode([t for t in out if t not in stop_ids])
+        for s in stops:
             if s in text:
                 text = text[: text.index(s)]
         print(f"--- {prompt!r}\n{prompt}{text}")
+
+
+def _generate_from_artifact(args) -> int:
+    """`shipyard generate OUT` on a StableHLO artifact: the same flags and output as on a model, run by
+    the artifact's programs (`inference.artifact`, which never imports the model code)."""
+    from types import SimpleNamespace
+
+    from shipyard.inference.artifact import Artifact
+
+    for flag in ("step", "tokenizer", "quantize", "kv_dtype"):  # chosen at export, fixed in the artifact
+        if getattr(args, flag, None) is not None:
+            raise ConfigError(
+                f"generate: --{flag.replace('_', '-')} does not apply to {args.run_dir}, a StableHLO "
+                "artifact (it holds one set of weights, its cache and its own tokenizer; choose them when exporting)"
+            )
+    art = Artifact(args.run_dir, "generate")
+    prompts = [art.encode(p) for p in args.prompt]
+    # the model's generation_config.json settings, recorded at export
+    gen = SimpleNamespace(**art.manifest["sampling"])
+    outs = art.generate(
+        prompts,
+        args.max_new_tokens,
+        **_sampling(args, gen, 0.0, None, None),
+        seed=args.seed,
+        stop_ids=art.stop_ids,
+        stop=_text_stop(art.decode_text, args.stop),
+    )
+    _print_completions(args.prompt, outs, art.decode_text, art.stop_ids, args.stop)
     return 0
 
 

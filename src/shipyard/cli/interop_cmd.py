@@ -1,4 +1,4 @@
-"""shipyard export and import: Hugging Face and PEFT directories."""
+"""shipyard export and import: Hugging Face and PEFT directories, StableHLO artifacts."""
 
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def _cmd_export_peft(args) -> int:
     return 0
 
 
+def _cmd_export_stablehlo(args) -> int:
+    from shipyard.inference.export import export_stablehlo
+    from shipyard.runs import open_model_dir
+
+    model_dir = open_model_dir(args.run_dir, "export stablehlo", args.tokenizer)
+    platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
+    manifest = export_stablehlo(
+        model_dir, args.out, batch=args.batch, max_len=args.max_len, step=args.step, platforms=platforms
+    )
+    step = manifest["source"]["step"]
+    what = "the imported model" if step is None else f"checkpoint {step}"
+    print(
+        f"exported {what} of {args.run_dir} to {args.out}: prefill + decode for {manifest['batch']} rows "
+        f"and {manifest['max_len']} cache slots, for {', '.join(manifest['platforms'])} "
+        f"(JAX {manifest['jax_version']}); run it with `shipyard generate {args.out} --prompt ...`"
+    )
+    return 0
+
+
 def _cmd_import_hf(args) -> int:
     from shipyard.interop.hf import import_hf
 
@@ -72,6 +91,23 @@ def register(sub) -> None:
         help="recorded as base_model_name_or_path (the exported base model's directory)",
     )
     exp.set_defaults(func=_cmd_export_peft)
+    exs = ex_sub.add_parser(
+        "stablehlo",
+        help="prefill + decode programs (jax.export) with the weights and tokenizer: runs without the model code",
+    )
+    add_model_dir(exs)
+    exs.add_argument("out", type=Path, help="output directory (must not exist)")
+    exs.add_argument("--batch", type=int, default=1, help="rows per call, fixed in the programs (default 1)")
+    exs.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cache slots: prompt + new tokens (default: the model's context)",
+    )
+    exs.add_argument(
+        "--platforms", default="cpu,cuda", help="comma-separated jax.export platforms (default cpu,cuda)"
+    )
+    exs.set_defaults(func=_cmd_export_stablehlo)
 
     im_sub = command_group(sub, "import", "import a checkpoint from another format")
     imh = im_sub.add_parser(

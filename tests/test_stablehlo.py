@@ -1,0 +1,163 @@
+"""`shipyard export stablehlo` and the artifact runner: the same tokens as the Generator, in a process
+that never imports the model code; versions checked, outputs never half written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from hf_fixtures import write_bpe
+from model_fixtures import noisy_params
+
+from shipyard.cli.main import main
+from shipyard.config import load_config
+from shipyard.errors import RunDirError
+from shipyard.inference.artifact import Artifact, is_artifact
+from shipyard.inference.generate import Generator
+from shipyard.interop.hf import write_hf_dir
+from shipyard.runs import open_model_dir
+
+BATCH = 2
+# token ids of different lengths, more prompts than the artifact's batch (three calls, the last one short)
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13], [250, 1, 64], [300, 301]]
+TEXTS = ["the model reads", "def", "a token and writes the next one", "upper lower"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """{hf: a small random Hugging Face directory with a BPE tokenizer, art: its artifact, params, cfg,
+    greedy: the Generator's 12 greedy tokens for PROMPTS}."""
+    root = tmp_path_factory.mktemp("stablehlo")
+    cfg = load_config("tiny", ["model.vocab_size=320", "model.max_seq_len=64", "data.seq_len=64"]).model
+    params = noisy_params(cfg, key=2, seed=1, scale=0.2)
+    write_hf_dir(params, cfg, root / "hf", write_bpe(root / "tok"))
+    art = root / "art"
+    assert (
+        main(["export", "stablehlo", str(root / "hf"), str(art), "--batch", str(BATCH), "--max-len", "48"])
+        == 0
+    )
+    params = open_model_dir(root / "hf", "test").load().params  # what `shipyard generate` runs
+    gen = Generator(params, cfg)
+    return {"hf": root / "hf", "art": art, "gen": gen, "greedy": gen(PROMPTS, 12)}
+
+
+def test_the_artifact_generates_the_generators_tokens(model):
+    art, gen, greedy = Artifact(model["art"]), model["gen"], model["greedy"]
+    assert art.batch == BATCH and art.max_len == 48
+    assert art.generate(PROMPTS, 12) == greedy
+    assert art.generate(PROMPTS, 12, pad_multiple=1) == greedy  # the padding is masked
+    assert art.generate(PROMPTS[2:3], 12) == greedy[2:3]  # one prompt, one dummy row
+    # sampling settings are inputs of the programs: the same seed and batch give the Generator's draws
+    sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
+    sampled = art.generate(PROMPTS[:2], 12, **sampling)
+    assert sampled == gen(PROMPTS[:2], 12, **sampling) != greedy[:2]
+    everything = {"temperature": 1.0, "seed": 4}  # top_k / top_p unset keep every token
+    assert art.generate(PROMPTS, 12, **everything) == art.generate(PROMPTS, 12, top_k=320, **everything)
+    stop_at = greedy[2][3]
+    stopped = art.generate(PROMPTS, 12, stop_ids=(stop_at,), stop=lambda toks: len(toks) == 6)
+    for row, full in zip(stopped, greedy):
+        assert row == full[: min(full.index(stop_at) + 1 if stop_at in full else 12, 6)]
+
+
+def test_a_fresh_process_runs_it_without_the_model_code(model):
+    code = f"""
+import json, sys
+from shipyard.inference.artifact import Artifact
+from shipyard.cli.main import main
+tokens = Artifact({str(model["art"])!r}).generate({PROMPTS!r}, 12)
+assert main(["generate", {str(model["art"])!r}, "--prompt", "the model", "--max-new-tokens", "4"]) == 0
+loaded = [m for m in ("shipyard.model", "shipyard.inference.decode", "shipyard.inference.generate",
+                      "shipyard.train", "shipyard.runs", "shipyard.interop") if m in sys.modules]
+print(json.dumps({{"tokens": tokens, "loaded": loaded}}))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"tokens": model["greedy"], "loaded": []}
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("jax_version", "0.4.1", ["JAX version 0.4.1", jax.__version__]),
+        ("format_version", 99, ["format version 99", "runner's 1"]),
+        ("stablehlo_version", "99.0.0", ["StableHLO version 99.0.0"]),
+        ("calling_convention_version", 1, ["calling convention version 1"]),
+    ],
+)
+def test_another_version_is_refused_with_one_line(model, tmp_path, capsys, key, value, named):
+    art = tmp_path / "art"
+    shutil.copytree(model["art"], art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({**manifest, key: value}))
+    assert main(["generate", str(art), "--prompt", "the model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: generate: ") and err.count("\n") == 1
+    assert all(n in err for n in named), err
+
+
+def test_a_damaged_program_or_a_flag_that_does_not_apply_is_one_line(model, tmp_path, capsys):
+    art = tmp_path / "art"
+    shutil.copytree(model["art"], art)
+    assert main(["generate", str(art), "--prompt", "x", "--step", "3"]) == 2
+    assert "--step does not apply" in capsys.readouterr().err
+    assert main(["generate", str(art), "--prompt", "x", "--max-new-tokens", "48"]) == 2
+    assert "exceeds the artifact's cache of 48 slots" in capsys.readouterr().err
+    (art / "decode.stablehlo").write_bytes(b"not a program")
+    assert main(["generate", str(art), "--prompt", "x"]) == 3
+    err = capsys.readouterr().err
+    assert "decode.stablehlo cannot be read" in err and err.count("\n") == 1
+
+
+def test_an_existing_or_failed_output_is_never_half_written(model, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    args = ["export", "stablehlo", str(model["hf"])]
+    assert main([*args, str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main([*args, str(tmp_path / "a"), "--max-len", "65"]) == 2  # past the model's context
+    assert main([*args, str(tmp_path / "a"), "--platforms", "cpu,vax"]) == 2
+    assert main([*args, str(tmp_path / "a"), "--batch", "0"]) == 2
+
+    def full_disk(*a, **k):  # the programs are written, then the weights fail
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", full_disk)
+    assert main([*args, str(tmp_path / "a")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no OUT, no temporary directory
+
+
+def test_shipyard_generate_prints_the_models_text_from_the_artifact(model, capsys):
+    args = ["--max-new-tokens", "12", "--stop", "the"]
+    for text in TEXTS:
+        args += ["--prompt", text]
+    assert main(["generate", str(model["hf"]), *args]) == 0
+    from_model = capsys.readouterr().out
+    assert main(["generate", str(model["art"]), *args]) == 0
+    assert capsys.readouterr().out == from_model
+    assert from_model.count("--- ") == len(TEXTS)
+
+
+def test_an_artifact_and_a_model_directory_are_told_apart(model, tmp_path):
+    assert is_artifact(model["art"]) and not is_artifact(model["hf"])
+    with pytest.raises(RunDirError):
+        open_model_dir(model["art"], "generate")
+    shards = tmp_path / "shards"  # token shards have a manifest.json of their own
+    shards.mkdir()
+    (shards / "manifest.json").write_text(json.dumps({"vocab_size": 320, "shards": []}))
+    assert not is_artifact(shards)
+    manifest = json.loads((model["art"] / "manifest.json").read_text())
+    assert {"prefill.stablehlo", "decode.stablehlo", "weights.safetensors", "tokenizer"} <= {
+        p.name for p in Path(model["art"]).iterdir()
+    }
+    assert manifest["platforms"] == ["cpu", "cuda"] and manifest["stop_ids"] == [manifest["eos_id"]]
+    assert manifest["prefill"]["inputs"][1] == {"name": "tokens", "shape": [BATCH, "p"], "dtype": "int32"}
