@@ -17,8 +17,9 @@ from model_fixtures import noisy_params
 
 from shipyard.cli.main import main
 from shipyard.config import load_config
-from shipyard.errors import RunDirError
+from shipyard.errors import ConfigError, RunDirError
 from shipyard.inference.artifact import Artifact, is_artifact
+from shipyard.inference.export import portable_config
 from shipyard.inference.generate import Generator
 from shipyard.interop.hf import write_hf_dir
 from shipyard.runs import open_model_dir
@@ -51,7 +52,6 @@ def test_the_artifact_generates_the_generators_tokens(model):
     art, gen, greedy = Artifact(model["art"]), model["gen"], model["greedy"]
     assert art.batch == BATCH and art.max_len == 48
     assert art.generate(PROMPTS, 12) == greedy
-    assert art.generate(PROMPTS, 12, pad_multiple=1) == greedy  # the padding is masked
     assert art.generate(PROMPTS[2:3], 12) == greedy[2:3]  # one prompt, one dummy row
     # sampling settings are inputs of the programs: the same seed and batch give the Generator's draws
     sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
@@ -63,6 +63,24 @@ def test_the_artifact_generates_the_generators_tokens(model):
     stopped = art.generate(PROMPTS, 12, stop_ids=(stop_at,), stop=lambda toks: len(toks) == 6)
     for row, full in zip(stopped, greedy):
         assert row == full[: min(full.index(stop_at) + 1 if stop_at in full else 12, 6)]
+
+
+def test_a_mixture_of_experts_model_exports_too(tmp_path, capsys):
+    """MoE experts run as ragged_dot in the artifact (shape-polymorphic, the GPU's grouped matmul), the
+    Generator's CPU path runs them blocked: the same tokens. Capacity routing is refused."""
+    overrides = ["model.vocab_size=320", "model.moe.num_shared_experts=0", "model.moe.first_dense_layers=0"]
+    cfg = load_config("moe-tiny", overrides).model
+    params = jax.tree_util.tree_map_with_path(  # Mixtral routing has no selection bias
+        lambda path, x: 0 * x if "router_bias" in jax.tree_util.keystr(path) else x,
+        noisy_params(cfg, key=3, seed=1, scale=0.2),
+    )
+    write_hf_dir(params, cfg, tmp_path / "hf", write_bpe(tmp_path / "tok"))
+    assert main(["export", "stablehlo", str(tmp_path / "hf"), str(tmp_path / "art"), "--max-len", "32"]) == 0
+    params = open_model_dir(tmp_path / "hf", "test").load().params
+    assert Artifact(tmp_path / "art").generate(PROMPTS[:3], 8) == Generator(params, cfg)(PROMPTS[:3], 8)
+    capacity = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"capacity_factor": 1.5})})
+    with pytest.raises(ConfigError, match="capacity_factor=1.5"):
+        portable_config(capacity)
 
 
 def test_a_fresh_process_runs_it_without_the_model_code(model):

@@ -137,6 +137,7 @@ _DECODE_OUT = ["tokens", "token", "k", "v", "key"]
 
 def export_programs(params, cfg, batch: int, max_len: int, platforms: tuple[str, ...]):
     """(prefill, decode) as `jax.export.Exported`, and the flat weights they take as first argument."""
+    cfg = portable_config(cfg)
     flat, unflatten = flat_weights(params)
     weights = {n: _spec(x) for n, x in flat.items()}
     (p,) = jax.export.symbolic_shape("p", constraints=(f"p <= {max_len}",))
@@ -160,6 +161,26 @@ def _signature(exp, inputs: list[str], outputs: list[str], n_weights: int, file:
         "inputs": [{"name": "weights", "tensors": n_weights}, *_described(exp.in_avals[n_weights:], inputs)],
         "outputs": _described(exp.out_avals, outputs),
     }
+
+
+def portable_config(cfg, what: str = "export stablehlo"):
+    """The model config the programs are traced with: one trace serves every platform and any prompt
+    length, so choices made in Python at trace time must suit them all.
+
+    MoE: the dropless experts run as `jax.lax.ragged_dot` (the GPU's grouped
+    matmul; CPU runs every expert on every row, slower but the same result),
+    since the CPU's blocked layout needs the token count at trace time.
+    Capacity routing needs it too, so it is refused.
+    """
+    if cfg.moe is None:
+        return cfg
+    if cfg.moe.capacity_factor is not None:
+        raise ConfigError(
+            f"{what}: model.moe.capacity_factor={cfg.moe.capacity_factor}: capacity-limited routing depends "
+            "on the number of prompt tokens, which the exported prefill leaves open; only dropless MoE "
+            "models (capacity_factor null) export"
+        )
+    return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"grouped_matmul": "ragged"})})
 
 
 def _check_args(cfg, batch: int, max_len: int | None, platforms: tuple[str, ...], what: str) -> int:
@@ -197,7 +218,7 @@ def export_stablehlo(
     """
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
 
-    cfg = model_dir.config.model
+    cfg = portable_config(model_dir.config.model, what)
     max_len = _check_args(cfg, batch, max_len, platforms, what)
     refuse_existing(out, what)  # before the params are read: refusing should be instant
     tok_dir = model_dir.require_tokenizer(what)
