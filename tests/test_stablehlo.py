@@ -128,6 +128,11 @@ def test_a_damaged_program_or_a_flag_that_does_not_apply_is_one_line(model, tmp_
     assert "--step does not apply" in capsys.readouterr().err
     assert main(["generate", str(art), "--prompt", "x", "--max-new-tokens", "48"]) == 2
     assert "exceeds the artifact's cache of 48 slots" in capsys.readouterr().err
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "batch"}))
+    assert main(["generate", str(art), "--prompt", "x"]) == 3
+    assert "manifest.json lacks batch" in capsys.readouterr().err
+    (art / "manifest.json").write_text(json.dumps(manifest))
     (art / "decode.stablehlo").write_bytes(b"not a program")
     assert main(["generate", str(art), "--prompt", "x"]) == 3
     err = capsys.readouterr().err

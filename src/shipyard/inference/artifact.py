@@ -85,7 +85,13 @@ def read_manifest(path: Path, what: str) -> dict:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise DataError(f"{what}: {file} has format {got!r}; expected {FORMAT!r}")
     check_versions(manifest, file, what)
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        raise DataError(f"{what}: {file} lacks {', '.join(missing)} (expected every key export writes)")
     return manifest
+
+
+_REQUIRED = ("platforms", "batch", "max_len", "decode_chunk", "eos_id", "stop_ids", "sampling", "weights")
 
 
 def check_versions(manifest: dict, file: Path, what: str) -> None:
@@ -240,6 +246,9 @@ class Artifact:
             raise ValueError("every prompt needs at least one token")
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple must be at least 1, got {pad_multiple}")
+        calls = -(-len(prompts) // self.batch)
+        if not -(2**31) <= seed <= 2**31 - calls:  # the programs take an int32 seed, seed + i for call i
+            raise ConfigError(f"{what}: --seed {seed}: expected a 32-bit integer")
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
             raise ConfigError(
