@@ -144,15 +144,6 @@ def _current_platforms() -> set[str]:
     return {"gpu": {"cuda", "rocm"}}.get(backend, {backend})
 
 
-def _cpu_decode_options() -> dict[str, str] | None:
-    """On CPU, no YNNPACK fusions in the decode step: for one token per row they cost more than they
-    save (the same choice as `inference.generate.decode_compiler_options`, which this module may not
-    import: it would pull in the model)."""
-    import jax
-
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
-
-
 class Artifact:
     """A loaded artifact: its manifest, tokenizer, weights on the default device and compiled programs."""
 
@@ -183,9 +174,12 @@ class Artifact:
             raise DataError(f"{what}: {self.path / WEIGHTS} is not a readable safetensors file ({e})") from e
         self._check_weights(weights, prefill, what)
         self.weights = jax.device_put(weights)
-        self.tokenizer = Tokenizer.from_file(str(self.path / TOKENIZER / "tokenizer.json"))
+        tok_file = self.path / TOKENIZER / "tokenizer.json"
+        if not tok_file.is_file():
+            raise DataError(f"{what}: {self.path} has no {TOKENIZER}/tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
         self._prefill = jax.jit(prefill.call)
-        self._decode = jax.jit(decode.call, donate_argnums=(2, 3), compiler_options=_cpu_decode_options())
+        self._decode = jax.jit(decode.call, donate_argnums=(2, 3))  # the cache: updated in place
 
     def _program(self, name: str, what: str):
         import jax
