@@ -29,6 +29,7 @@ from shipyard.config import ModelConfig
 from shipyard.inference.decode import KVCache
 from shipyard.model import attention, layers
 from shipyard.model.attention import HEAD_MAJOR, AttentionWeights, LayerKV
+from shipyard.model.quant import QuantizedMatrix
 from shipyard.model.transformer import output_weights
 
 # ModelConfig fields `decode_step` implements or that do not change the forward pass; a field added
@@ -118,9 +119,9 @@ class LayerWeights:
     attn_norm: jax.Array
     attn: AttentionWeights
     mlp_norm: jax.Array
-    gate_up: jax.Array
-    """[embed, 2 * mlp] (`layers.fuse_gate_up`)"""
-    down: jax.Array
+    gate_up: jax.Array | QuantizedMatrix
+    """[embed, 2 * mlp] (`layers.fuse_gate_up`; int8 values and scales fused alike when quantized)"""
+    down: jax.Array | QuantizedMatrix
     window: int | None = dataclasses.field(metadata={"static": True})
     """This layer's attention window (static), None when global."""
 
@@ -131,8 +132,8 @@ class DecodeWeights:
     embed: jax.Array
     layers: tuple[LayerWeights, ...]
     final_norm: jax.Array
-    head: jax.Array
-    """[embed, vocab]"""
+    head: jax.Array | QuantizedMatrix
+    """[embed, vocab]; `h @ head` multiplies by a QuantizedMatrix too (its `__rmatmul__`)."""
 
 
 def prepare_weights(params, cfg: ModelConfig) -> DecodeWeights:
@@ -157,10 +158,11 @@ def prepare_weights(params, cfg: ModelConfig) -> DecodeWeights:
 def decode_step(weights: DecodeWeights, tokens, caches: tuple[LayerKV, ...], pos, start, *, cfg: ModelConfig):
     """forward_cached for one token per row (tokens [batch, 1]) on `prepare_weights` and per-layer caches.
 
-    Returns logits [batch, 1, vocab] and the updated caches.
+    `pos` is a scalar or [batch] (each row at its own slot). Returns logits
+    [batch, 1, vocab] and the updated caches.
     """
     cos, sin = attention.rope_tables(cfg, (pos - start)[:, None])  # counted from the row's first real token
-    q_slots, keys = pos + jnp.arange(1), jnp.arange(caches[0].v.shape[2])
+    q_slots, keys = jnp.asarray(pos)[..., None] + jnp.arange(1), jnp.arange(caches[0].v.shape[2])
     x = jnp.take(weights.embed, tokens, axis=0)  # [batch, 1, embed]
     new_caches = []
     for p, c in zip(weights.layers, caches):

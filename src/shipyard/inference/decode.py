@@ -44,13 +44,18 @@ def forward_cached(
 ) -> tuple[jax.Array, KVCache]:
     """Logits [batch, T, vocab] (fp32) for `tokens` [batch, T] written at cache slots pos..pos+T-1.
 
+    `pos` is a scalar, or [batch] when each row is at its own slot (a
+    continuously batched cache, `inference.engine`).
+
     With `last_only`, logits [batch, 1, vocab] for the last position only: all
     a prefill needs, and the output projection of every prompt position is a
     large part of a prefill's work for a big vocabulary.
     """
-    slots = pos + jnp.arange(tokens.shape[1])  # cache slot of each new token
+    slots = jnp.asarray(pos)[..., None] + jnp.arange(
+        tokens.shape[1]
+    )  # cache slot of each new token: [T] or [B, T]
     # RoPE position: counted from the row's first real token
-    cos, sin = attention.rope_tables(cfg, slots[None, :] - start[:, None])
+    cos, sin = attention.rope_tables(cfg, (slots if slots.ndim == 2 else slots[None]) - start[:, None])
     keys = jnp.arange(cache.k.shape[2])
     x = jnp.take(params.embed, tokens, axis=0)
 

@@ -27,6 +27,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.model import quant
 
 
 def sample(
@@ -50,12 +51,14 @@ def sample(
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def _prefill(params, tokens, start, key, *, cfg, max_len, to_decode_cache, temperature, top_k, top_p):
-    """Run the prompts into a new cache of `max_len` slots and sample the first new token.
+def _prefill(
+    params, tokens, start, key, *, cfg, max_len, kv_dtype, to_decode_cache, temperature, top_k, top_p
+):
+    """Run the prompts into a new cache of `max_len` slots (`kv_dtype`) and sample the first new token.
 
     Returns (tokens [batch], the cache converted by `to_decode_cache` for the decode step, key).
     """
-    cache = init_cache(cfg, tokens.shape[0], max_len, jnp.asarray(params.embed).dtype)
+    cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
     logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
     token, key = _sample_next(logits[:, -1], key, temperature, top_k, top_p)
     return token, to_decode_cache(cache), key
@@ -113,16 +116,36 @@ def _decode_steps(
 _SAMPLING = ("temperature", "top_k", "top_p")
 
 
-def _decode_compiler_options() -> dict[str, str] | None:
-    """XLA options for the decode step: on CPU, no YNNPACK fusions.
+def decode_compiler_options(params=None) -> dict[str, str] | None:
+    """XLA options for the decode step: on CPU, no YNNPACK fusions (but its dots for int8 `params`).
 
     cpu_tuning turns YNNPACK dot and elementwise fusions on, which pays off
     for large matrices (training, and the prefill here). A decode step
     multiplies a few rows by each weight matrix, and there the YNNPACK calls
     cost more than they save (forward_cached's decode step for the `small`
-    model on 2 cores: about 12-14 ms with them, 8-11 ms without).
+    model on 2 cores: about 12-14 ms with them, 8-11 ms without). int8
+    weights (`model.quant`) are the exception: XLA's own int8 dot is a slow
+    generic loop, YNNPACK's reads the int8 weights at close to memory speed.
     """
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": QUANTIZED_DECODE_YNN if is_quantized_tree(params) else ""}
+
+
+QUANTIZED_DECODE_YNN = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+"""YNNPACK fusions of the int8 decode step (see `decode_compiler_options`)."""
+
+
+def is_quantized_tree(params) -> bool:
+    """Whether any weight in `params` is an int8 `quant.QuantizedMatrix`."""
+    leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
+    return any(quant.is_quantized(leaf) for leaf in leaves)
+
+
+def default_kv_dtype(params):
+    """The KV cache dtype when none is asked for: the embedding's, fp32 for a quantized one."""
+    embed = params.embed
+    return jnp.float32 if quant.is_quantized(embed) else jnp.asarray(embed).dtype
 
 
 class Generator:
@@ -136,10 +159,13 @@ class Generator:
     have all stopped has computed up to that many tokens more than it needed.
     """
 
-    def __init__(self, params, cfg: ModelConfig, *, tokens_per_call: int = 8):
+    def __init__(self, params, cfg: ModelConfig, *, tokens_per_call: int = 8, kv_dtype=None):
+        """`params` plain or from `model.quant.quantize_params` (int8 weights); `kv_dtype` the KV
+        cache's dtype (default: the embedding's, fp32 for a quantized embedding)."""
         if tokens_per_call < 1:
             raise ValueError(f"tokens_per_call must be at least 1, got {tokens_per_call}")
         self.params, self.cfg, self.tokens_per_call = params, cfg, tokens_per_call
+        self.kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(params))
         if cpu_decode.supported(params, cfg):
             self._decode_params = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(params)
             forward, to_decode_cache = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
@@ -147,14 +173,14 @@ class Generator:
             self._decode_params = params
             forward, to_decode_cache = partial(forward_cached, cfg=cfg), lambda cache: cache
         self.prefill = jax.jit(
-            partial(_prefill, cfg=cfg, to_decode_cache=to_decode_cache),
+            partial(_prefill, cfg=cfg, kv_dtype=self.kv_dtype, to_decode_cache=to_decode_cache),
             static_argnames=(*_SAMPLING, "max_len"),
         )
         self.decode = jax.jit(
             partial(_decode_steps, forward=forward, chunk=tokens_per_call),
             donate_argnums=(2,),  # the cache: updated in place
             static_argnames=_SAMPLING,
-            compiler_options=_decode_compiler_options(),
+            compiler_options=decode_compiler_options(params),
         )
 
     def __call__(

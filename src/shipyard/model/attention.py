@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import layers
+from shipyard.model import layers, quant
 from shipyard.model.lora import LoraParams, delta
 
 GLOBAL_WINDOW = 2**30
@@ -69,18 +69,28 @@ class LayerKV(NamedTuple):
     v: jax.Array
 
 
-def qkv_parts(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int) -> tuple[jax.Array, ...]:
-    """q [..., heads, D], k and v [..., kv_heads, D] -> [..., kv_heads, group, D], [..., kv_heads, 1, D] (twice)."""
-    q = q.reshape(*q.shape[:-2], num_kv_heads, q.shape[-2] // num_kv_heads, q.shape[-1])
-    return q, k[..., None, :], v[..., None, :]
+def qkv_parts(q, k, v, num_kv_heads: int) -> tuple:
+    """q [..., heads, D], k and v [..., kv_heads, D] -> [..., kv_heads, group, D], [..., kv_heads, 1, D] (twice).
+
+    Arrays or int8 `quant.QuantizedMatrix` weights (values and scales are regrouped alike).
+    """
+
+    def group(a):
+        return a.reshape(*a.shape[:-2], num_kv_heads, a.shape[-2] // num_kv_heads, a.shape[-1])
+
+    def single(a):
+        return a[..., None, :]
+
+    return quant.apply(group, q), quant.apply(single, k), quant.apply(single, v)
 
 
 def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int) -> jax.Array:
     """q [..., heads, D], k and v [..., kv_heads, D] -> [..., kv_heads, group + 2, D].
 
     kv_heads stays outermost, so a kv_heads / heads sharding survives the concatenation.
+    Quantized weights concatenate their int8 values and their per-output-channel scales alike.
     """
-    return jnp.concatenate(qkv_parts(q, k, v, num_kv_heads), axis=-2)
+    return quant.apply(lambda *parts: jnp.concatenate(parts, axis=-2), *qkv_parts(q, k, v, num_kv_heads))
 
 
 def attention_weights(p, num_kv_heads: int, fused: bool = True) -> AttentionWeights:
@@ -93,7 +103,7 @@ def attention_weights(p, num_kv_heads: int, fused: bool = True) -> AttentionWeig
     two extra matmul calls.
     """
     bias = None if p.bq is None else fuse_qkv(p.bq, p.bk, p.bv, num_kv_heads)
-    wo = p.wo.reshape(*p.wo.shape[:-3], -1, p.wo.shape[-1])
+    wo = quant.apply(lambda a: a.reshape(*a.shape[:-3], -1, a.shape[-1]), p.wo)
     qkv = (fuse_qkv if fused else qkv_parts)(p.wq, p.wk, p.wv, num_kv_heads)
     return AttentionWeights(qkv, bias, p.q_norm, p.k_norm, wo, p.lora)
 
@@ -105,7 +115,11 @@ def project_qkv(cfg: ModelConfig, h: jax.Array, w: AttentionWeights, key=None):
     Adds biases, LoRA deltas (`key`: LoRA dropout) and the q/k RMSNorms, before RoPE.
     """
     parts = w.qkv if isinstance(w.qkv, tuple) else (w.qkv,)
-    out = [layers.dense(h, a.reshape(a.shape[0], -1)).reshape(*h.shape[:2], *a.shape[1:]) for a in parts]
+
+    def matrix(a):  # [embed, kv_heads, n, D] -> [embed, kv_heads * n * D], int8 values and scales alike
+        return quant.apply(lambda t: t.reshape(t.shape[0], -1), a)
+
+    out = [layers.dense(h, matrix(a)).reshape(*h.shape[:2], *a.shape[1:]) for a in parts]
     qkv = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-2)
     G = qkv.shape[-2] - 2
     if w.qkv_bias is not None:
@@ -136,16 +150,17 @@ def mask(
 ) -> jax.Array:
     """Which keys each query sees: bool [batch or 1, T, S].
 
-    q_slots [T] and k_slots [S] are sequence (or cache) positions. Causal;
-    `window` (optional; a traced per-layer size under scan, >= the sequence
-    means global) keeps the last `window` positions; `segment_ids` [batch, T]
+    q_slots [T] (or [batch, T], each row at its own cache positions) and
+    k_slots [S] are sequence (or cache) positions. Causal; `window`
+    (optional; a traced per-layer size under scan, >= the sequence means
+    global) keeps the last `window` positions; `segment_ids` [batch, T]
     (T == S) stop attention across packed documents; `first_key` [batch]
     hides keys before each row's first real token (left padding).
     """
-    seen = k_slots[None, :] <= q_slots[:, None]
+    q = q_slots[None, :, None] if q_slots.ndim == 1 else q_slots[:, :, None]
+    seen = k_slots <= q
     if window is not None:
-        seen = seen & (q_slots[:, None] - k_slots[None, :] < window)
-    seen = seen[None]
+        seen = seen & (q - k_slots < window)
     if first_key is not None:
         seen = seen & (k_slots[None, None, :] >= first_key[:, None, None])
     if segment_ids is not None:
@@ -189,13 +204,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: Ca
 
 
 def update_cache(cache: LayerKV, k: jax.Array, v: jax.Array, pos, layout: CacheLayout = SEQ_MAJOR) -> LayerKV:
-    """Write new keys and values [batch, T, kv_heads, D] into cache slots pos..pos+T-1 (in place under donation)."""
+    """Write new keys and values [batch, T, kv_heads, D] into cache slots pos..pos+T-1 (in place under donation).
+
+    `pos` is one slot for all rows, or [batch] slots (rows of a continuously
+    batched cache, each at its own position).
+    """
 
     def put(buf, new, spec):
         new = new.transpose([SEQ_MAJOR.k.index(c) for c in spec]).astype(buf.dtype)
-        at = [0] * 4
-        at[spec.index("s")] = pos
-        return jax.lax.dynamic_update_slice(buf, new, at)
+        slot = spec.index("s")
+        if jnp.ndim(pos) == 0:
+            return jax.lax.dynamic_update_slice(buf, new, [pos if i == slot else 0 for i in range(4)])
+
+        def row(b, n, p):  # batch is the first axis of every layout
+            return jax.lax.dynamic_update_slice(b, n, [p if i == slot - 1 else 0 for i in range(3)])
+
+        return jax.vmap(row)(buf, new, pos)
 
     return LayerKV(put(cache.k, k, layout.k), put(cache.v, v, layout.v))
 
