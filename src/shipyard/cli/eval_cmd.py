@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shipyard.cli.args import add_model_dir
+from shipyard.cli.inference_cmd import add_quantize_flags
 from shipyard.errors import ConfigError
 
 
@@ -27,7 +28,9 @@ def _cmd_eval(args) -> int:
                 f"eval --task {item!r}: expected mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl"
             )
         tasks.append((kind, path))
-    report = run_eval(args.run_dir, domains, tasks, args.max_sequences, args.step, args.tokenizer)
+    report = run_eval(
+        args.run_dir, domains, tasks, args.max_sequences, args.step, args.tokenizer, quantize=args.quantize
+    )
     from shipyard.output import write_atomic
     from shipyard.runs import open_model_dir
 
@@ -73,4 +76,5 @@ def register(sub) -> None:
         default=None,
         help="JSON report (default: <run>/eval.json for a run; imports and HF directories are not written into)",
     )
+    add_quantize_flags(ev, kv_cache=False)
     ev.set_defaults(func=_cmd_eval)

@@ -35,6 +35,7 @@ def _cmd_generate(args) -> int:
         return _generate_from_artifact(args)
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.inference.generate import Generator
+    from shipyard.model.quant import maybe_quantize
     from shipyard.runs import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "generate", args.tokenizer)
@@ -46,11 +47,12 @@ def _cmd_generate(args) -> int:
     prompts = [tok.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]
     _check_context(prompts, args.max_new_tokens, model_dir.config.model.max_seq_len, "generate")
     cfg, step, params = model_dir.load(args.step, what="generate")
+    params = maybe_quantize(params, cfg.model, args.quantize)
 
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens, skip_special_tokens=False)
 
-    outs = Generator(params, cfg.model)(
+    outs = Generator(params, cfg.model, kv_dtype=args.kv_dtype)(
         prompts,
         args.max_new_tokens,
         **_sampling(args, gen, 0.0, None, None),
@@ -116,9 +118,28 @@ def _cmd_chat(args) -> int:
 
     model_dir = open_model_dir(args.run_dir, "chat", args.tokenizer)
     gen = model_dir.generation("chat")
-    model = load_chat_model(model_dir, args.step, args.template)
+    model = load_chat_model(
+        model_dir, args.step, args.template, quantize=args.quantize, kv_dtype=args.kv_dtype
+    )
     sampling = _sampling(args, gen, 0.7, 50, 0.95)
     return run_chat(model, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
+
+
+def add_quantize_flags(p, kv_cache: bool = True) -> None:
+    """--quantize (int8 weights, `model.quant`) and, for commands that decode, --kv-dtype."""
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: int8 weights with per-output-channel scales (attention, MLP, output head; default: as stored)",
+    )
+    if kv_cache:
+        p.add_argument(
+            "--kv-dtype",
+            choices=["float32", "bfloat16"],
+            default=None,
+            help="dtype of the KV cache (default: the embedding's, float32 for the presets)",
+        )
 
 
 def register(sub) -> None:
@@ -133,6 +154,7 @@ def register(sub) -> None:
     ge.add_argument("--top-p", type=float, default=None, help=sampling_help + "1")
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    add_quantize_flags(ge)
     ge.set_defaults(func=_cmd_generate)
 
     ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed replies)")
@@ -149,4 +171,5 @@ def register(sub) -> None:
         default=None,
         help="chat template (default: the one the run trained with)",
     )
+    add_quantize_flags(ch)
     ch.set_defaults(func=_cmd_chat)

@@ -17,6 +17,7 @@ from shipyard.errors import DataError
 from shipyard.eval.chat_match import exact_match
 from shipyard.eval.heldout import DomainMetrics, domain_metrics
 from shipyard.eval.tasks import cloze, multiple_choice
+from shipyard.model.quant import maybe_quantize
 
 
 @dataclass
@@ -44,7 +45,9 @@ def run_eval(
     max_sequences: int = 64,
     step: int | None = None,
     tokenizer: Path | None = None,
+    quantize: str | None = None,
 ) -> EvalReport:
+    """Held-out metrics and tasks for a model directory; `quantize` ("int8") scores its int8 weights."""
     from shipyard.data.tokenizer import load_tokenizer
     from shipyard.runs import open_model_dir
 
@@ -54,7 +57,7 @@ def run_eval(
     tok = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tasks and tok is None:
         model_dir.require_tokenizer("eval --task")
-    params = jax.tree.map(jnp.asarray, params)
+    params = maybe_quantize(jax.tree.map(jnp.asarray, params), cfg.model, quantize)
     report = EvalReport(str(run_dir), step)
     for name, path in domains.items():
         report.domains[name] = domain_metrics(params, cfg.model, path, tok, max_sequences)

@@ -8,10 +8,18 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import RopeScaling
+from shipyard.model import quant
+
+
+def dense(x: jax.Array, w) -> jax.Array:
+    """x[..., in] @ w[in, out]; w an array or an int8 `quant.QuantizedMatrix` (inference only)."""
+    if quant.is_quantized(w):
+        return quant.matmul(x, w)
+    return _dense(x, w)
 
 
 @jax.custom_vjp
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x[..., in] @ w[in, out], with a backward pass laid out for fast matmuls.
 
     XLA's autodiff of a plain matmul computes the weight gradient as a dot
@@ -38,7 +46,7 @@ def _dense_bwd(res, dy):
     return dx, (x_t @ dy2).astype(w.dtype)
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -92,12 +100,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """[embed, mlp] gate and up weights -> one [embed, 2 * mlp] matrix (gate columns, then up)."""
-    return jnp.stack([w_gate, w_up], axis=1).reshape(w_gate.shape[0], 2 * w_gate.shape[-1])
+def fuse_gate_up(w_gate, w_up):
+    """[embed, mlp] gate and up weights -> one [embed, 2 * mlp] matrix (gate columns, then up).
+
+    Quantized weights fuse their int8 values and their scales alike (`quant.apply`).
+    """
+
+    def fuse(g, u):
+        return jnp.stack([g, u], axis=1).reshape(g.shape[0], 2 * g.shape[-1])
+
+    return quant.apply(fuse, w_gate, w_up)
 
 
-def swiglu_fused(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu_fused(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     """SwiGLU MLP on a `fuse_gate_up` weight: one matmul for gate and up."""
     m = w_gate_up.shape[-1] // 2
     gate_up = dense(x, w_gate_up)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import attention, layers
+from shipyard.model import attention, layers, quant
 from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
@@ -208,7 +208,7 @@ def forward(
     if positions is None:
         positions = jnp.arange(tokens.shape[1])[None, :]
     cos, sin = attention.rope_tables(cfg, positions)
-    x = constrain(jnp.take(params.embed, tokens, axis=0))
+    x = constrain(quant.embed_lookup(params.embed, tokens))
 
     def body(x, layer):
         p, window, key = layer
@@ -247,8 +247,9 @@ def hidden_states(params: TransformerParams, tokens: jax.Array, cfg: ModelConfig
     return forward(params, tokens, cfg, **kw)[0]
 
 
-def output_weights(params: TransformerParams) -> jax.Array:
-    """The [embed, vocab] output projection (the embedding, transposed, when tied)."""
+def output_weights(params: TransformerParams):
+    """The [embed, vocab] output projection (the embedding, transposed, when tied): an array or, in
+    params from `quant.quantize_params`, an int8 `quant.QuantizedMatrix` (`layers.dense` and `@` take both)."""
     return params.embed.T if params.lm_head is None else params.lm_head
 
 

@@ -1,0 +1,207 @@
+"""int8 weight-only quantization: a matrix stored as int8 with per-output-channel fp32 scales.
+
+`QuantizedMatrix` takes a weight's place in the params tree. Its scale has
+the weight's rank with size 1 on the contracted (input) axes, so the layout
+changes the model makes to a weight (reshapes, slices of a layer stack,
+fusing q|k|v or gate|up, transposing a tied embedding) apply to the int8
+values and to the scales alike (`apply`), and the dequantized weight is
+always `q * scale`. `layers.dense` multiplies by it (`matmul`), and so does
+`x @ w` (`__rmatmul__`), so every matmul site of the forward passes and the
+decode steps accepts it. `quantize_params` converts a model's params.
+
+How the product runs depends on the backend. GPU/TPU: `dequantized_dot`,
+the int8 -> float convert inside the dot, which those compilers fuse into
+the matmul. CPU: XLA does not fuse that convert (`x @ q.astype(f32)`
+writes an fp32 copy of the weight first: slower than fp32 weights), and its
+own int8 dot is a slow generic loop, but YNNPACK's int8 x int8 -> int32 dot
+reads the int8 weights directly (about 2.5x faster than fp32 on the `small`
+model's output head). So `int8_dot` writes each activation row as two int8
+digits (hi + lo / 254, one dot over both: the weights are read once) and
+the only rounding left is the weights' own; a single digit (plain W8A8)
+measured twice the logit error. The decode step enables YNNPACK's dots for
+it (`inference.generate.decode_compiler_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+INT8_MAX = 127.0
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight as int8 values and fp32 scales: weight ~= q * scale (broadcast)."""
+
+    q: jax.Array
+    """int8, the weight's shape."""
+    scale: jax.Array
+    """fp32, the weight's shape with 1 on the contracted (input) axes: one scale per output channel."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    @property
+    def T(self) -> QuantizedMatrix:
+        """The transpose (a tied embedding [vocab, embed] used as the [embed, vocab] head)."""
+        return QuantizedMatrix(self.q.T, self.scale.T)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        return matmul(x, self)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedMatrix)
+
+
+def quantize(w: jax.Array, in_axes: Sequence[int]) -> QuantizedMatrix:
+    """Symmetric int8 per output channel: each channel's largest |w| over `in_axes` maps to 127.
+
+    Rounding to nearest, so |dequantize(quantize(w)) - w| <= scale / 2 elementwise.
+    """
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=tuple(in_axes), keepdims=True)
+    scale = amax / INT8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)  # an all-zero channel: q = 0 whatever the scale
+    q = jnp.clip(jnp.round(w / safe), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return QuantizedMatrix(q, scale)
+
+
+def dequantize(w: QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
+    return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+
+
+def apply(fn: Callable, *ws):
+    """fn(*ws) for arrays; for QuantizedMatrix arguments, fn on their int8 values and on their scales.
+
+    For layout changes only (reshape with -1 or from the argument's own shape,
+    slicing, concatenation, stacking, transposes): they keep `q * scale`
+    meaning the same weight because the scale broadcasts along the input axes.
+    """
+    kinds = {is_quantized(w) for w in ws}
+    if kinds == {False}:
+        return fn(*ws)
+    if kinds != {True}:
+        raise TypeError("cannot combine quantized and unquantized weights in one matrix")
+    return QuantizedMatrix(fn(*(w.q for w in ws)), fn(*(w.scale for w in ws)))
+
+
+def _split_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Activations x [rows, in] (fp32) as two int8 digits per value: x ~= scale * (hi + lo / LO_SCALE).
+
+    Returns (int8 [2 * rows, in]: the hi rows, then the lo rows; fp32 scales [rows, 1]). One int8
+    digit per value (plain dynamic W8A8) doubles the error of int8 weights; the second digit makes
+    the activations' error ~1/32000 of each row's largest value, so only the weights' rounding
+    remains, and the int8 dot reads each weight once for both digits.
+    """
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    y = x / scale
+    hi = jnp.round(y)
+    lo = jnp.round((y - hi) * LO_SCALE)  # y - hi is in [-0.5, 0.5]
+    return jnp.concatenate([hi, lo]).astype(jnp.int8), scale
+
+
+LO_SCALE = 2 * INT8_MAX
+"""The second digit's weight: lo / LO_SCALE covers the first digit's rounding error, [-0.5, 0.5]."""
+
+
+def matmul(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """x[..., in] @ w[in, out] in x's dtype (fp32 accumulation): `int8_dot` on CPU, else `dequantized_dot`."""
+    if w.ndim != 2:
+        raise ValueError(f"matmul takes a 2-D quantized matrix, got shape {w.shape}")
+    x2 = x.reshape(-1, x.shape[-1])
+    dot = int8_dot if jax.default_backend() == "cpu" else dequantized_dot
+    return dot(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def int8_dot(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """x [rows, in] @ w as one int8 x int8 -> int32 dot of the activations' two digits (`_split_rows`)."""
+    digits, xs = _split_rows(x.astype(jnp.float32))
+    acc = jax.lax.dot(digits, w.q, preferred_element_type=jnp.int32).astype(jnp.float32)
+    rows = x.shape[0]
+    return (acc[:rows] + acc[rows:] * (1.0 / LO_SCALE)) * xs * w.scale
+
+
+def dequantized_dot(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """x [rows, in] @ w with the int8 -> x.dtype convert inside the dot (GPU/TPU compilers fuse it)."""
+    return jax.lax.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
+
+
+def embed_lookup(table, ids: jax.Array) -> jax.Array:
+    """Rows of an embedding table [vocab, embed] (quantized per row or not) for token ids."""
+    if not is_quantized(table):
+        return jnp.take(table, ids, axis=0)
+    rows = jnp.take(table.q, ids, axis=0).astype(jnp.float32)
+    return rows * jnp.take(table.scale, ids, axis=0)
+
+
+# The block weights quantize_params converts: the attention and dense-MLP matrices.
+BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_params(params, cfg, *, head: bool = True, embed: bool = False):
+    """The params of model `cfg` (a ModelConfig) with int8 weights (`QuantizedMatrix`): attention and
+    dense-MLP matrices, the output head (`head`), the token embedding (`embed`, one scale per row).
+
+    Norms, biases, LoRA adapters and MoE layers (router and experts) stay as
+    they are. A tied model quantized with `head` and not `embed` gets a
+    quantized copy of the embedding as its head (`lm_head`), so the lookup
+    stays exact while the largest matrix of a small model still shrinks 4x.
+    Each weight's contracted axes are its spec's `fan_in_axes`.
+    """
+    # transformer imports layers, which imports this module: import it here, not at the top.
+    from shipyard.model.transformer import param_specs
+
+    specs = param_specs(cfg)
+
+    def stack(blocks, block_specs):
+        if blocks is None:
+            return None
+        new = {}
+        for name in BLOCK_WEIGHTS:
+            w, spec = getattr(blocks, name), getattr(block_specs, name)
+            if w is not None and not is_quantized(w):
+                new[name] = _quantize_jit(w, spec.fan_in_axes)
+        return dataclasses.replace(blocks, **new)
+
+    out = dataclasses.replace(
+        params,
+        blocks=stack(params.blocks, specs.blocks),
+        moe_blocks=stack(params.moe_blocks, specs.moe_blocks),
+    )
+    table = out.embed
+    if embed and not is_quantized(table):
+        out = dataclasses.replace(out, embed=_quantize_jit(table, (1,)))
+    if head and out.lm_head is None and not embed:
+        out = dataclasses.replace(out, lm_head=_quantize_jit(jnp.asarray(table).T, (0,)))
+    elif head and out.lm_head is not None and not is_quantized(out.lm_head):
+        out = dataclasses.replace(out, lm_head=_quantize_jit(out.lm_head, specs.lm_head.fan_in_axes))
+    return out
+
+
+_quantize_jit = jax.jit(quantize, static_argnums=1)
+
+
+QUANTIZE_MODES = ("int8",)
+"""What `--quantize` accepts (`maybe_quantize`)."""
+
+
+def maybe_quantize(params, cfg, quantize: str | None):
+    """`params` as the inference commands' `--quantize` asks: unchanged for None, `quantize_params` for int8."""
+    if quantize is None:
+        return params
+    if quantize != "int8":
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {quantize!r}")
+    return quantize_params(params, cfg)

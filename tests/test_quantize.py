@@ -1,0 +1,378 @@
+"""int8 weight-only inference (model.quant) and the KV-cache dtype: rounding, layouts, accuracy on a
+trained model, both decode paths, and the --quantize / --kv-dtype flags of generate and eval.
+
+The trained model is the tiny preset fitted (150 AdamW steps, a few seconds) to a Markov chain over
+its 512 tokens: each token is followed by one fixed successor half of the time, by a second fixed one
+30% of the time, by a uniformly random token otherwise. Its next-token distributions are peaked the
+way a trained model's are (top-2 margin about 0.5 nats), unlike a random model's, where the argmax
+is decided by noise and no low-precision inference could keep it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from model_fixtures import noisy_params
+
+from shipyard.config import load_config
+from shipyard.inference import cpu_decode
+from shipyard.inference.generate import Generator, decode_compiler_options
+from shipyard.model import attention, layers, quant
+from shipyard.model.transformer import logits, output_weights
+
+VOCAB, STEPS, BATCH, SEQ = 512, 150, 16, 64
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
+
+
+def _chain_batch(step: int, succ: np.ndarray, alt: np.ndarray) -> np.ndarray:
+    r = np.random.default_rng([7, step])
+    x = np.empty((BATCH, SEQ + 1), np.int32)
+    x[:, 0] = r.integers(0, VOCAB, BATCH)
+    u, rand = r.random((BATCH, SEQ + 1)), r.integers(0, VOCAB, (BATCH, SEQ + 1))
+    for t in range(1, SEQ + 1):
+        prev = x[:, t - 1]
+        x[:, t] = np.where(u[:, t] < 0.5, succ[prev], np.where(u[:, t] < 0.8, alt[prev], rand[:, t]))
+    return x
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(full config, params) of the tiny model fitted to the Markov chain (see the module docstring)."""
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB}"])
+    rng = np.random.default_rng(0)
+    succ, alt = rng.permutation(VOCAB), rng.permutation(VOCAB)
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg.model, key=0, seed=0, scale=0.0))
+    opt = optax.adamw(1e-2, weight_decay=0.0)
+
+    def loss(p, x):
+        out = logits(p, x[:, :-1], cfg.model)
+        return optax.softmax_cross_entropy_with_integer_labels(out, x[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s, x):
+        g = jax.grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    state = opt.init(params)
+    for i in range(STEPS):
+        params, state = step(params, state, jnp.asarray(_chain_batch(i, succ, alt)))
+    # the chain's entropy is 2.27 nats, a model that knows nothing scores ln(512) = 6.24
+    assert float(loss(params, jnp.asarray(_chain_batch(10**6, succ, alt)))) < 2.7
+    return cfg, params
+
+
+def test_round_trip_error_is_at_most_half_a_step_per_output_channel():
+    rng = np.random.default_rng(0)
+    cases = [((64, 48), (0,)), ((3, 64, 4, 16), (1,)), ((3, 4, 16, 64), (1, 2))]  # [in, out], wq, wo
+    for shape, in_axes in cases:
+        w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 2.0, shape[-1])
+        w[..., 0] = 0.0  # an all-zero channel stays exactly zero
+        qw = quant.quantize(jnp.asarray(w), in_axes)
+        assert qw.q.dtype == jnp.int8 and qw.scale.dtype == jnp.float32
+        assert qw.scale.shape == tuple(1 if i in in_axes else n for i, n in enumerate(shape))
+        err = np.abs(np.asarray(quant.dequantize(qw)) - w)
+        assert np.all(err <= np.asarray(qw.scale) / 2 * (1 + 1e-6))
+        # each channel's largest |w| maps to +-127: the whole int8 range is used
+        assert np.all(np.max(np.abs(np.asarray(qw.q)), axis=in_axes)[..., 1:] == 127)
+        assert not np.any(np.asarray(qw.q)[..., 0])
+
+
+def test_both_matmul_formulations_equal_the_dequantized_product():
+    rng = np.random.default_rng(1)
+    w = quant.quantize(jnp.asarray(rng.standard_normal((96, 40)).astype(np.float32)), (0,))
+    x = jnp.asarray(
+        rng.standard_normal((5, 96)).astype(np.float32) * np.array([[1], [100], [1e-3], [0], [3]])
+    )
+    want = np.asarray(x @ quant.dequantize(w))
+    scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
+    for dot in (quant.int8_dot, quant.dequantized_dot):  # the CPU path, the GPU/TPU path
+        got = np.asarray(dot(x, w))
+        assert np.all(np.abs(got - want) <= 1e-4 * scale), dot.__name__
+    # the model's entry points: layers.dense, `@`, 3-D inputs
+    x3 = x.reshape(1, 5, 96)
+    np.testing.assert_allclose(np.asarray(layers.dense(x3, w))[0], want, atol=1e-4 * float(scale.max()))
+    np.testing.assert_allclose(np.asarray(x3 @ w)[0], want, atol=1e-4 * float(scale.max()))
+
+
+def test_quantized_weights_take_the_models_layouts_exactly():
+    """Fusing q|k|v and gate|up, regrouping heads, the out projection, a tied head: done on the int8
+    values and the scales alike, the result dequantizes to the same layout of the dequantized weights."""
+    cfg = load_config("tiny", ["model.tie_embeddings=true"]).model
+    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 1, 1, 0.1)), cfg, embed=True)
+    deq = jax.tree.map(
+        lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params, is_leaf=quant.is_quantized
+    )
+    block, plain = jax.tree.map(lambda a: a[0], params.blocks), jax.tree.map(lambda a: a[0], deq.blocks)
+    pairs = [
+        (
+            attention.attention_weights(block, cfg.num_kv_heads),
+            attention.attention_weights(plain, cfg.num_kv_heads),
+        ),
+        (
+            attention.attention_weights(block, cfg.num_kv_heads, fused=False).qkv,
+            attention.attention_weights(plain, cfg.num_kv_heads, fused=False).qkv,
+        ),
+        (layers.fuse_gate_up(block.w_gate, block.w_up), layers.fuse_gate_up(plain.w_gate, plain.w_up)),
+        (output_weights(params), output_weights(deq)),
+    ]
+    for got, want in pairs:
+        got = jax.tree.map(quant.dequantize, got, is_leaf=quant.is_quantized)
+        assert jax.tree.all(
+            jax.tree.map(lambda a, b: a.shape == b.shape and bool(jnp.all(a == b)), got, want)
+        )
+    assert quant.is_quantized(params.embed) and params.lm_head is None  # tied: the head is embed.T
+    tokens = jnp.asarray([[3, 9, 500]])
+    np.testing.assert_array_equal(
+        quant.embed_lookup(params.embed, tokens), jnp.take(deq.embed, tokens, axis=0)
+    )
+
+
+def test_int8_logits_and_greedy_continuations_on_a_trained_model(trained):
+    cfg, params = trained
+    qparams = quant.quantize_params(params, cfg.model)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (8, 48)))
+    ref, got = np.asarray(logits(params, tokens, cfg.model)), np.asarray(logits(qparams, tokens, cfg.model))
+    rel = np.abs(got - ref) / ref.std()
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist() for _ in range(16)]
+    want = Generator(params, cfg.model)(prompts, 16)
+    outs = Generator(qparams, cfg.model)(prompts, 16)
+    identical = sum(a == b for a, b in zip(outs, want))
+    print(
+        f"int8 vs fp32: max |dlogit|/std {rel.max():.4f}, mean {rel.mean():.5f}; greedy identical {identical}/16"
+    )
+    assert rel.max() < 0.1 and rel.mean() < 0.02  # measured 0.021 and 0.0037
+    assert identical >= 0.75 * len(prompts)  # measured 15/16
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.98
+
+
+def _greedy_full_forward(params, cfg, prompts, n):
+    """Greedy tokens by re-running the whole causal forward per step, all prompts in one right-padded
+    batch (causal attention keeps each row blind to the padding after it)."""
+    width = max(map(len, prompts)) + n
+    forward = jax.jit(lambda toks: logits(params, toks, cfg))
+    seqs = [list(p) for p in prompts]
+    for _ in range(n):
+        out = forward(jnp.asarray([s + [0] * (width - len(s)) for s in seqs]))
+        for b, s in enumerate(seqs):
+            s.append(int(jnp.argmax(out[b, len(s) - 1])))
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
+
+
+@pytest.mark.parametrize("config", ["tiny", "moe-tiny"])
+def test_quantized_generator_on_both_decode_paths(config):
+    """Dense models decode with cpu_decode (int8 gate|up, q|k|v and head), MoE models with
+    forward_cached: both give the full forward's greedy tokens on the same int8 weights."""
+    cfg = load_config(config).model
+    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2)), cfg)
+    gen = Generator(params, cfg)
+    if config == "tiny":
+        assert cpu_decode.supported(params, cfg)
+        layer = gen._decode_params.layers[0]
+        assert quant.is_quantized(layer.gate_up) and quant.is_quantized(layer.attn.qkv)
+        assert quant.is_quantized(gen._decode_params.head)
+        assert decode_compiler_options(params) == {
+            "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+        }
+    else:
+        assert not cpu_decode.supported(params, cfg) and gen._decode_params is params
+        assert not quant.is_quantized(params.moe_blocks.moe.w_gate)  # experts stay fp32
+    assert gen(PROMPTS, 8) == _greedy_full_forward(params, cfg, PROMPTS, 8)
+
+
+def test_cpu_decode_step_on_int8_weights_equals_forward_cached():
+    from shipyard.inference.decode import forward_cached, init_cache
+
+    cfg = load_config("tiny").model
+    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 3, 2, 0.2)), cfg)
+    tokens = jnp.asarray([[5, 17, 99], [0, 42, 8]])
+    start = jnp.asarray([0, 1], jnp.int32)
+    _, cache = forward_cached(params, tokens, init_cache(cfg, 2, 8), 0, start, cfg)
+    step = jnp.asarray([[3], [77]], jnp.int32)
+    want, _ = jax.jit(partial(forward_cached, cfg=cfg))(params, step, cache, np.int32(3), start)
+    weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(params)
+    got, _ = jax.jit(partial(cpu_decode.decode_step, cfg=cfg))(
+        weights, step, cpu_decode.to_layer_caches(cache), np.int32(3), start
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_bfloat16_kv_cache_keeps_greedy_output(trained, quantized):
+    cfg, params = trained
+    if quantized:
+        params = quant.quantize_params(params, cfg.model)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist() for _ in range(16)]
+    gen = Generator(params, cfg.model, kv_dtype="bfloat16")
+    _, cache, _ = gen.prefill(
+        params,
+        jnp.zeros((1, 4), jnp.int32),
+        jnp.zeros(1, jnp.int32),
+        jax.random.key(0),
+        max_len=8,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+    )
+    assert {leaf.dtype for leaf in jax.tree.leaves(cache)} == {jnp.dtype(jnp.bfloat16)}
+    want = Generator(params, cfg.model)(prompts, 16)
+    identical = sum(a == b for a, b in zip(gen(prompts, 16), want))
+    print(f"bf16 KV cache (int8 weights: {quantized}): greedy identical {identical}/16")
+    assert identical >= 0.75 * len(prompts)
+
+
+def test_bfloat16_kv_cache_on_forward_cached():
+    cfg = load_config("moe-tiny").model
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2))
+    got = Generator(params, cfg, kv_dtype=jnp.bfloat16)(PROMPTS, 6)
+    assert [len(t) for t in got] == [6, 6, 6]
+    assert Generator(params, cfg).kv_dtype == jnp.float32
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained, tmp_path_factory):
+    """The trained model as a run directory with a tokenizer (trained on pseudo-word prose) and token shards."""
+    from data_fixtures import prose, write_jsonl
+
+    from shipyard.config import to_yaml
+    from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig
+    from shipyard.data.tokenize import run_tokenize
+    from shipyard.data.tokenizer import run_tokenizer_train
+    from shipyard.model.transformer import param_specs
+    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.step import init_state
+
+    cfg, params = trained
+    d = tmp_path_factory.mktemp("quantize")
+    docs = write_jsonl(d / "docs.jsonl", [prose(s, words=120) for s in range(12)])
+    run = d / "run"
+    run_tokenizer_train([str(docs)], run / "tokenizer", TokenizerTrainConfig(vocab_size=400), ReadConfig())
+    run_tokenize([str(docs)], d / "shards", run / "tokenizer", TokenizeConfig(), ReadConfig(), workers=1)
+    state = init_state(cfg, params, build_optimizer(cfg.train, param_specs(cfg.model)))
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    ckpt = Checkpointer(run, cfg.train.checkpoint, cfg.train.steps)
+    ckpt.save(1, state, wait=True)
+    ckpt.close()
+    return run, d / "shards"
+
+
+@pytest.fixture
+def generators(monkeypatch):
+    """Records (int8 weights?, KV dtype) of every Generator the commands build."""
+    import shipyard.inference.generate as generate
+
+    made = []
+
+    class Recording(generate.Generator):
+        def __init__(self, params, cfg, **kw):
+            super().__init__(params, cfg, **kw)
+            made.append((quant.is_quantized(params.blocks.wq), self.kv_dtype))
+
+    monkeypatch.setattr(generate, "Generator", Recording)
+    return made
+
+
+def test_generate_cli_with_int8_weights_and_a_bfloat16_cache(trained, run_dir, capsys, generators):
+    from shipyard.cli.main import main
+    from shipyard.data.tokenizer import load_tokenizer
+
+    cfg, params = trained
+    run, _ = run_dir
+    tok = load_tokenizer(run / "tokenizer")
+    prompts = ["Kabel lodor", "Mi"]
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    gen = Generator(quant.quantize_params(params, cfg.model), cfg.model, kv_dtype="bfloat16")
+    want = [tok.decode(t, skip_special_tokens=False) for t in gen(ids, 6)]
+    args = ["generate", str(run), "--max-new-tokens", "6", "--quantize", "int8", "--kv-dtype", "bfloat16"]
+    capsys.readouterr()
+    assert main([*args, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    out = capsys.readouterr().out
+    for prompt, text in zip(prompts, want):
+        assert f"--- {prompt!r}\n{prompt}{text}\n" in out
+    assert generators[-1] == (True, jnp.dtype(jnp.bfloat16))
+    assert main(["generate", str(run), "--max-new-tokens", "2", "--prompt", "Mi"]) == 0
+    assert generators[-1] == (False, jnp.dtype(jnp.float32))  # the defaults: as stored
+
+
+def test_chat_cli_builds_its_generator_with_the_flags(run_dir, monkeypatch, generators, capsys):
+    import io
+
+    from shipyard.cli.main import main
+
+    run, _ = run_dir
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # the conversation ends at once (EOF)
+    assert main(["chat", str(run), "--quantize", "int8", "--kv-dtype", "bfloat16"]) == 0
+    assert generators == [(True, jnp.dtype(jnp.bfloat16))]
+
+
+@pytest.mark.parametrize(
+    "argv, bad",
+    [
+        (["generate", "RUN", "--prompt", "x", "--quantize", "int4"], "int4"),
+        (["generate", "RUN", "--prompt", "x", "--kv-dtype", "float16"], "float16"),
+        (["chat", "RUN", "--quantize", "fp8"], "fp8"),
+        (["eval", "RUN", "--quantize", "int2"], "int2"),
+    ],
+)
+def test_bad_quantize_and_kv_dtype_values_are_one_line_errors(run_dir, capsys, argv, bad):
+    from shipyard.cli.main import main
+
+    run, _ = run_dir
+    assert main([str(run) if a == "RUN" else a for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and bad in err and ("--quantize" in err or "--kv-dtype" in err)
+
+
+def test_eval_cli_with_int8_weights(run_dir, tmp_path, capsys):
+    from shipyard.cli.main import main
+
+    run, shards = run_dir
+    losses = {}
+    for mode in ("fp32", "int8"):
+        out = tmp_path / f"{mode}.json"
+        flags = ["--quantize", "int8"] if mode == "int8" else []
+        assert (
+            main(
+                [
+                    "eval",
+                    str(run),
+                    "--tokens",
+                    f"prose={shards}",
+                    "--max-sequences",
+                    "4",
+                    "--out",
+                    str(out),
+                    *flags,
+                ]
+            )
+            == 0
+        )
+        losses[mode] = json.loads(out.read_text())["domains"]["prose"]["loss"]
+    # close, and not identical: the flag really scored the int8 weights
+    assert 0 < abs(losses["int8"] - losses["fp32"]) < 0.01 * losses["fp32"]
+
+
+def test_quantize_params_keeps_what_it_should_and_refuses_unknown_modes():
+    cfg = load_config("tiny", ["model.qkv_bias=true", "model.qk_norm=true"]).model
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg, 1, 1, 0.1))
+    q = quant.quantize_params(params, cfg, head=False)
+    for name in quant.BLOCK_WEIGHTS:
+        assert quant.is_quantized(getattr(q.blocks, name))
+    for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "bq", "bk", "bv"):
+        assert getattr(q.blocks, name) is getattr(params.blocks, name)
+    assert q.lm_head is params.lm_head and q.embed is params.embed and q.final_norm is params.final_norm
+    again = quant.quantize_params(q, cfg)  # already-quantized weights are left as they are
+    assert again.blocks.wq is q.blocks.wq and quant.is_quantized(again.lm_head)
+    assert dataclasses.replace(quant.maybe_quantize(params, cfg, None)) == params
+    with pytest.raises(ValueError, match="int8"):
+        quant.maybe_quantize(params, cfg, "int4")
