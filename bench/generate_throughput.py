@@ -1,4 +1,4 @@
-"""Generation throughput on CPU: shipyard's Generator vs transformers' `generate` on the same model.
+"""Generation throughput on CPU: shipyard's Generator (fp32 and int8 weights) vs transformers' `generate`.
 
 A random model of the `small` preset's shape (hidden 384, 6 layers, 6 heads, 2
 KV heads, intermediate 1024, vocab 8192, untied, fp32) is saved as a shipyard
@@ -17,12 +17,26 @@ compared: per row, how many leading tokens agree. Run it on an otherwise idle
 machine: torch's OpenMP threads slow down by 10x or more when another process
 takes a core, which would inflate the ratio.
 
+The int8 row is the same shipyard run with `--quantize int8`'s weights
+(`model.quant.quantize_params`: attention, MLP and output head as int8 with
+per-output-channel scales; embeddings and norms fp32), in its own child
+process, timed the same way; its ratio is to transformers' fp32. Its tokens
+are compared with shipyard fp32's (this random model's distributions are
+flat enough that int8 rounding flips some argmaxes: the agreement is
+reported, not asserted; tests/test_quantize.py checks accuracy on a trained
+model). Targets: fp32 >= 2x transformers, int8 >= 3x transformers' fp32.
+
+The targets are for the median of 3 runs of this script on an idle machine,
+reported with their spread: run it 3 times (each writes its own --out) and
+take the median of each ratio.
+
 The weights are the init plus Gaussian noise (as in the tests' random models)
 so next-token distributions are peaked: with a near-uniform random model the
 argmax would be decided by float rounding and the two implementations could
 not be expected to agree.
 
     .venv/bin/python bench/generate_throughput.py [--rounds 5] [--out bench/results/generate_throughput.json]
+    for i in 1 2 3; do .venv/bin/python bench/generate_throughput.py --out /tmp/genbench-$i.json; done
 """
 
 from __future__ import annotations
@@ -80,14 +94,16 @@ def write_run(run_dir: Path) -> None:
     ckpt.close()
 
 
-def shipyard_generator(run_dir: Path):
+def shipyard_generator(run_dir: Path, quantize: str | None = None):
     import jax
 
     from shipyard.inference.generate import Generator
+    from shipyard.model.quant import maybe_quantize
     from shipyard.runs import load_model
 
     cfg, _, params = load_model(run_dir)
-    gen = Generator(jax.tree.map(jax.numpy.asarray, params), cfg.model)
+    params = maybe_quantize(jax.tree.map(jax.numpy.asarray, params), cfg.model, quantize)
+    gen = Generator(params, cfg.model)
     batch = prompts()
     return (lambda: gen(batch, NEW_TOKENS)), gen.tokens_per_call
 
@@ -122,8 +138,8 @@ def transformers_generator(hf_dir: Path):
 
 def _worker(name: str, path: Path, rounds: int) -> None:
     extra = {}
-    if name == "shipyard":
-        run, extra["tokens_per_call"] = shipyard_generator(path)
+    if name.startswith("shipyard"):
+        run, extra["tokens_per_call"] = shipyard_generator(path, "int8" if name == "shipyard-int8" else None)
     else:
         run, extra["threads"] = transformers_generator(path)
     t = time.perf_counter()
@@ -166,7 +182,7 @@ def main() -> None:
     cpu_tuning.apply_xla_flags()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed generate calls per side")
-    ap.add_argument("--worker", choices=("shipyard", "transformers"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("shipyard", "shipyard-int8", "transformers"), help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path("bench/results/generate_throughput.json"))
     args = ap.parse_args()
@@ -182,6 +198,7 @@ def main() -> None:
         if shipyard(["export", "hf", str(run_dir), str(hf_dir)]) != 0:
             raise SystemExit("bench: export hf failed")
         sy = _spawn("shipyard", run_dir, args)
+        q8 = _spawn("shipyard-int8", run_dir, args)
         tf = _spawn("transformers", hf_dir, args)
 
     import torch
@@ -190,7 +207,9 @@ def main() -> None:
     generated = len(PROMPT_LENS) * NEW_TOKENS
     sy_tok_s = generated / statistics.median(sy["call_s"])
     tf_tok_s = generated / statistics.median(tf["call_s"])
+    q8_tok_s = generated / statistics.median(q8["call_s"])
     leading = [_leading_agreement(a, b) for a, b in zip(sy["tokens"], tf["tokens"])]
+    q8_leading = [_leading_agreement(a, b) for a, b in zip(q8["tokens"], sy["tokens"])]
     result = {
         "benchmark": "generate_throughput",
         "model": {**SHAPE, "tie_embeddings": False, "dtype": "float32"},
@@ -202,6 +221,14 @@ def main() -> None:
         "ratio_shipyard_over_transformers": sy_tok_s / tf_tok_s,
         "target_ratio": 2.0,
         "best_call_ratio": min(tf["call_s"]) / min(sy["call_s"]),
+        "shipyard_int8_tokens_per_s": q8_tok_s,
+        "ratio_shipyard_int8_over_transformers": q8_tok_s / tf_tok_s,
+        "target_ratio_int8": 3.0,
+        "ratio_shipyard_int8_over_shipyard": q8_tok_s / sy_tok_s,
+        "int8_best_call_ratio": min(tf["call_s"]) / min(q8["call_s"]),
+        "shipyard_int8_first_call_s": q8["first_call_s"],
+        "shipyard_int8_call_s": q8["call_s"],
+        "int8_leading_tokens_agreeing_with_fp32_per_row": q8_leading,
         "shipyard_first_call_s": sy["first_call_s"],
         "transformers_first_call_s": tf["first_call_s"],
         "shipyard_call_s": sy["call_s"],
