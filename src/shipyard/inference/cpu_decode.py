@@ -15,6 +15,10 @@ cache update as training and `forward_cached`, with the cache layout as an
 argument); tests/test_attention.py and tests/test_generate_decode.py check it
 against both. Models using anything it does not implement (MoE, LoRA
 adapters, config fields added later) decode with `forward_cached`.
+
+int8 weights (`model.quant.QuantizedMatrix`, from `quantize_params`) need
+nothing of their own here: the fusions fuse their int8 values and scales
+alike and every product goes through `layers.dense` or `@`, which take them.
 """
 
 from __future__ import annotations
