@@ -376,3 +376,5 @@ def test_quantize_params_keeps_what_it_should_and_refuses_unknown_modes():
     assert dataclasses.replace(quant.maybe_quantize(params, cfg, None)) == params
     with pytest.raises(ValueError, match="int8"):
         quant.maybe_quantize(params, cfg, "int4")
+    with pytest.raises(ValueError, match="embedding"):  # the decode steps' lookups take arrays only
+        Generator(quant.quantize_params(params, cfg, embed=True), cfg)

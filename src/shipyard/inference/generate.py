@@ -165,6 +165,12 @@ class Generator:
         if tokens_per_call < 1:
             raise ValueError(f"tokens_per_call must be at least 1, got {tokens_per_call}")
         self.params, self.cfg, self.tokens_per_call = params, cfg, tokens_per_call
+        if quant.is_quantized(params.embed):
+            # forward_cached and decode_step look tokens up with jnp.take, which needs an array
+            raise ValueError(
+                "Generator: an int8 embedding (quantize_params(..., embed=True)) is for the full forward "
+                "only; quantize with embed=False (the default) to generate"
+            )
         self.kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(params))
         if cpu_decode.supported(params, cfg):
             self._decode_params = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(params)
