@@ -14,13 +14,24 @@ from shipyard.cli import (
     interop_cmd,
     pipeline_cmd,
     plan_cmd,
+    serve_cmd,
     train_cmd,
 )
 from shipyard.cli.args import Parser
 from shipyard.errors import ShipyardError
 
 # The order `shipyard --help` lists them in.
-GROUPS = (config_cmd, train_cmd, data_cmd, interop_cmd, inference_cmd, eval_cmd, plan_cmd, pipeline_cmd)
+GROUPS = (
+    config_cmd,
+    train_cmd,
+    data_cmd,
+    interop_cmd,
+    inference_cmd,
+    serve_cmd,
+    eval_cmd,
+    plan_cmd,
+    pipeline_cmd,
+)
 
 
 def build_parser() -> Parser:

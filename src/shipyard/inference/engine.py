@@ -285,6 +285,10 @@ class Engine:
             raise RuntimeError(f"the engine stopped: {self.error}")
         self._pending.put(request)
 
+    def active(self) -> int:
+        """Requests holding a slot now."""
+        return sum(r is not None for r in self._slots)
+
     def start(self) -> Engine:
         self._thread = threading.Thread(target=self._run, name="shipyard-engine", daemon=True)
         self._thread.start()

@@ -1,0 +1,83 @@
+"""shipyard serve: an OpenAI-compatible HTTP server for a model directory."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from shipyard.cli.args import add_model_dir
+from shipyard.cli.inference_cmd import add_quantize_flags
+from shipyard.errors import ConfigError
+
+
+def _cmd_serve(args) -> int:
+    from shipyard.inference.service import load_service, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"serve: --port {args.port} is not a TCP port (0..65535)")
+    if args.max_body_mb <= 0:
+        raise ConfigError(f"serve: --max-body-mb must be positive, got {args.max_body_mb}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("serve: --api-key is empty; give a key or leave the flag out")
+    # the request log (one line per request); libraries below stay at warnings
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("shipyard.serve").setLevel(logging.INFO)
+    service = load_service(
+        args.run_dir,
+        name=args.model_name,
+        step=args.step,
+        tokenizer=args.tokenizer,
+        template=args.template,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        quantize=args.quantize,
+        kv_dtype=args.kv_dtype,
+        tokens_per_call=args.tokens_per_call,
+    )
+    key = "required (Bearer)" if args.api_key else "none (anyone who can reach the port may use it)"
+    print(
+        f"serving {service.name!r} on http://{args.host}:{args.port}/v1 (max batch {service.engine.max_batch}, "
+        f"context {service.engine.max_len} tokens, chat {'yes' if service.chat else 'no'}, API key {key})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return serve(
+        service,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+    )
+
+
+def register(sub) -> None:
+    """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    sv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)"
+    )
+    add_model_dir(sv)
+    sv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    sv.add_argument(
+        "--model-name", default=None, help="the model's name in the API (default: the directory's)"
+    )
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
+    sv.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cache slots per row: prompt + reply (default: the model's context)",
+    )
+    sv.add_argument("--tokens-per-call", type=int, default=4, help="decode steps per device call")
+    sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
+    sv.add_argument(
+        "--template",
+        choices=["auto", "hf", "shipyard", "chatml", "llama3"],
+        default=None,
+        help="chat template (default: the one the run trained with, else the model's own)",
+    )
+    add_quantize_flags(sv)
+    sv.set_defaults(func=_cmd_serve)

@@ -1,0 +1,173 @@
+"""The request bodies of the OpenAI-compatible API `shipyard serve` speaks, as strict pydantic models.
+
+Strict: a number where a string is expected (or "0.7" where a number is) is
+an error, not a guess. Fields OpenAI defines that shipyard does not implement
+(penalties, logit_bias, n > 1, best_of, tools) are refused with a 400 naming
+them rather than silently ignored, so a client never gets behaviour it did
+not ask for; other unknown fields are ignored (clients send extras such as
+`user`), and listed in the server log.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+Number = StrictFloat | StrictInt
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.type = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+    """Send a last chunk with the token counts before [DONE]."""
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    """The served model's name (GET /v1/models)."""
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    """0 is greedy; default: the model's generation_config.json, else 1 (OpenAI's default)."""
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    """Nucleus sampling mass; default: the model's generation_config.json, else 1."""
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    """An extension (vLLM's): sample among the k best tokens; 0 or -1 mean all."""
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    """Up to 16 strings; the text ends before the first one that appears."""
+    seed: StrictInt | None = None
+    """Seeds this request's sampling alone (default 0): same seed, same reply."""
+    n: Literal[1] = 1
+    """Only one choice per prompt."""
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Literal[0, 0.0] | None = None
+    frequency_penalty: Literal[0, 0.0] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name in ("logit_bias", "best_of", "tools", "functions", "suffix", "response_format"):
+                if data.get(name) not in (None, {}, [], 1 if name == "best_of" else None):
+                    raise ValueError(f"'{name}' is not supported by shipyard serve")
+        return data
+
+    def extras(self) -> list[str]:
+        """Unknown fields the client sent (ignored)."""
+        return sorted(self.model_extra or {})
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: (
+        StrictStr
+        | TokenIds
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    """A string, token ids, or a batch of either (one choice per prompt)."""
+    max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
+    """New tokens at most (OpenAI's default: 16)."""
+    echo: StrictBool = False
+    """Return the prompt before the completion (with `logprobs`: the prompt tokens' log-probabilities)."""
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    """Log-probabilities of each token and of the `logprobs` most likely alternatives."""
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    """New tokens at most; default: what is left of the context."""
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    """OpenAI's newer name for max_tokens (wins when both are given)."""
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+
+    def conversation(self) -> list[dict]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's tokenizer endpoint, which lm-eval's remote tokenizer uses)."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: StrictStr
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+def validation_message(error) -> tuple[str, str | None]:
+    """One line for a pydantic ValidationError: (message, the offending field)."""
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) or p) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    field = where.split(".")[0] if where else None
+    return (f"{where}: {msg}" if where else msg), field

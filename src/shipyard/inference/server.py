@@ -1,0 +1,543 @@
+"""`shipyard serve`: an OpenAI-compatible HTTP API (FastAPI on uvicorn) over the continuous-batching engine.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(both streamed as server-sent events with `stream: true`), GET /health, and
+vLLM's tokenizer endpoints (GET /tokenizer_info, POST /tokenize,
+POST /detokenize), which lm-eval's `local-completions` model uses to
+tokenize exactly as the server does.
+
+Every request becomes one `engine.Request` per prompt; the engine thread
+hands token bursts to the event loop (`call_soon_threadsafe`), where they
+are detokenized (`detokenize.IncrementalText`: whole characters, stop
+strings cut) and written out. A client that disconnects mid-stream cancels
+its request, which frees its slot at the next decode step.
+
+Refusals are OpenAI-style error bodies: 400 for a malformed or unsupported
+request, 401 for a missing or wrong API key, 404 for an unknown route, 413
+for a body over the limit; the server keeps serving whatever it refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from shipyard.inference.detokenize import IncrementalText
+from shipyard.inference.engine import Engine, Request, Sampling, prompt_logprobs
+from shipyard.inference.openai_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_message,
+)
+
+log = logging.getLogger("shipyard.serve")
+
+
+@dataclasses.dataclass
+class Service:
+    """What the endpoints serve: one model behind an engine, with its tokenizer and chat template."""
+
+    name: str
+    engine: Engine
+    tok: object
+    """A `tokenizers.Tokenizer`."""
+    eos_ids: tuple[int, ...]
+    """Ids that end a completion (the tokenizer's eos and the model's generation_config eos ids)."""
+    chat: object | None
+    """A `data.chat_format.ChatFormat`, or None when the model has no chat template."""
+    chat_missing: str = ""
+    """Why there is no chat template (the 400 a chat request gets)."""
+    defaults: object | None = None
+    """`interop.hf_config.GenerationDefaults`: sampling settings a request leaves out."""
+    specials: dict = dataclasses.field(default_factory=dict)
+    """bos/eos/pad token strings (GET /tokenizer_info)."""
+    chat_template: str | None = None
+    """The model's Jinja chat template text, if it has one (GET /tokenizer_info)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def _sampling(service: Service, body, max_tokens: int, stop_ids) -> Sampling:
+    d = service.defaults
+
+    def pick(value, default, fallback):
+        return value if value is not None else (default if default is not None else fallback)
+
+    top_k = pick(body.top_k, getattr(d, "top_k", None), 0)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=float(pick(body.temperature, getattr(d, "temperature", None), 1.0)),
+        top_k=max(int(top_k), 0),
+        top_p=float(pick(body.top_p, getattr(d, "top_p", None), 1.0)),
+        seed=body.seed if body.seed is not None else 0,
+        stop_ids=tuple(stop_ids),
+    )
+
+
+class _Job:
+    """One prompt in flight: engine callbacks in, (text piece, tokens, logprobs, finish) events out."""
+
+    def __init__(self, service: Service, prompt: list[int], sampling: Sampling, stops, hidden):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.text = IncrementalText(service.decode, stops, hidden)
+        self.request = Request(prompt, sampling, self._on_tokens)
+        self.tokens: list[int] = []
+        self.service = service
+
+    def _on_tokens(self, tokens, logprobs, finish) -> None:  # the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish))
+
+    async def events(self) -> AsyncIterator[tuple[str, list[int], list, str | None]]:
+        self.service.engine.submit(self.request)
+        try:
+            while True:
+                tokens, logprobs, finish = await self.queue.get()
+                if finish in ("error", "cancelled"):
+                    raise ApiError(
+                        f"generation ended early ({finish}): the server is stopping or failed", status=503
+                    )
+                self.tokens.extend(tokens)
+                piece = self.text.push(tokens)
+                if self.text.stopped:
+                    self.request.cancel()
+                    finish = "stop"
+                elif finish is not None:
+                    piece += self.text.finish()
+                yield piece, tokens, logprobs, finish
+                if finish is not None:
+                    return
+        finally:
+            if not self.request.finished and not self.text.stopped:
+                log.info("client went away after %d tokens: request cancelled", len(self.tokens))
+            self.request.cancel()  # frees the slot at the next step (a no-op once finished)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _Logprobs:
+    """The completions API's `logprobs` object, built up token by token."""
+
+    def __init__(self, service: Service, top: int):
+        self.service, self.top = service, top
+        self.obj = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.offset = 0
+
+    def add(self, ids: list[int], logprobs: list) -> dict:
+        start = len(self.obj["tokens"])
+        for t, lp in zip(ids, logprobs):
+            piece = self.service.decode([t])
+            self.obj["tokens"].append(piece)
+            self.obj["text_offset"].append(self.offset)
+            self.offset += len(piece)
+            if lp is None:
+                self.obj["token_logprobs"].append(None)
+                self.obj["top_logprobs"].append(None)
+                continue
+            chosen, alternatives = lp
+            self.obj["token_logprobs"].append(chosen)
+            top: dict[str, float] = {}
+            for i, value in alternatives[: self.top]:
+                top.setdefault(self.service.decode([i]), value)
+            self.obj["top_logprobs"].append(top)
+        return {k: v[start:] for k, v in self.obj.items()}
+
+
+def _chat_logprobs(service: Service, ids: list[int], logprobs: list, top: int) -> list[dict]:
+    def entry(i, value):
+        text = service.decode([i])
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return [
+        {**entry(t, chosen), "top_logprobs": [entry(i, v) for i, v in alternatives[:top]]}
+        for t, (chosen, alternatives) in zip(ids, logprobs)
+    ]
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _context_check(service: Service, n_prompt: int, max_tokens: int) -> None:
+    limit = service.engine.max_len
+    if n_prompt + max_tokens > limit:
+        raise ApiError(
+            f"this model's context is {limit} tokens; the prompt has {n_prompt} and max_tokens asks for "
+            f"{max_tokens} more ({n_prompt + max_tokens}); shorten the prompt or lower max_tokens",
+            param="max_tokens" if n_prompt < limit else "prompt",
+            code="context_length_exceeded",
+        )
+
+
+def _parse(model_cls, raw: bytes, service: Service):
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        body = model_cls.model_validate(obj)
+    except ValidationError as e:
+        message, field = validation_message(e)
+        raise ApiError(message, param=field) from e
+    if hasattr(body, "model") and body.model != service.name:
+        raise ApiError(
+            f"model {body.model!r} is not served here; this server serves {service.name!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    if hasattr(body, "extras") and body.extras():
+        log.warning("ignoring unknown request fields: %s", ", ".join(body.extras()))
+    return body
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+    """The FastAPI application serving `service` (run it with uvicorn; see `serve`)."""
+    app = FastAPI(title="shipyard serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):
+        return JSONResponse(ApiError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request, e: Exception):
+        log.exception("request failed")
+        return JSONResponse(ApiError(f"internal error: {e}", status=500).body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if service.engine.error is not None:
+            return JSONResponse({"status": "error", "error": str(service.engine.error)}, status_code=503)
+        engine = service.engine
+        return {
+            "status": "ok",
+            "model": service.name,
+            "max_batch": engine.max_batch,
+            "active": engine.active(),
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(service)]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name != service.name:
+            raise ApiError(f"model {name!r} is not served here", status=404, code="model_not_found")
+        return _model_card(service)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        body = _parse(CompletionRequest, await request.body(), service)
+        return await _completions(service, body, StreamingResponse)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest):
+        body = _parse(ChatRequest, await request.body(), service)
+        return await _chat(service, body, StreamingResponse)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {
+            **service.specials,
+            "chat_template": service.chat_template,
+            "model_max_length": service.engine.max_len,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+        body = _parse(TokenizeRequest, await request.body(), service)
+        ids = service.tok.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.engine.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+        body = _parse(DetokenizeRequest, await request.body(), service)
+        vocab = service.tok.get_vocab_size(with_added_tokens=True)
+        if any(t >= vocab for t in body.tokens):
+            raise ApiError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
+        return {"prompt": service.decode(body.tokens)}
+
+    return _Guard(app, api_key, max_body_bytes)
+
+
+def _model_card(service: Service) -> dict:
+    return {
+        "id": service.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "shipyard",
+        "max_model_len": service.engine.max_len,
+    }
+
+
+def _prompt_ids(service: Service, prompt) -> list[int]:
+    vocab = service.engine.cfg.vocab_size
+    if isinstance(prompt, str):
+        ids = service.encode(prompt)
+        if not ids:
+            raise ApiError("the prompt is empty; give at least one token", param="prompt")
+        return ids
+    if any(t >= vocab for t in prompt):
+        raise ApiError(f"prompt token ids must be below the model's vocabulary size {vocab}", param="prompt")
+    return list(prompt)
+
+
+async def _completions(service: Service, body: CompletionRequest, streaming: Callable):
+    prompts = [_prompt_ids(service, p) for p in body.prompts()]
+    for p in prompts:
+        _context_check(service, len(p), body.max_tokens)
+    rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    t0 = time.perf_counter()
+    jobs = [
+        _Job(
+            service,
+            p,
+            _sampling(service, body, body.max_tokens, service.eos_ids),
+            body.stops(),
+            service.eos_ids,
+        )
+        for p in prompts
+    ]
+    echoes = await asyncio.gather(*(_echo(service, body, p) for p in prompts))
+    head = {"id": rid, "object": "text_completion", "created": created, "model": service.name}
+
+    def logged(completion_tokens: int, finish) -> None:
+        log.info(
+            "%s completions prompts=%d tokens_in=%d tokens_out=%d latency=%.3fs finish=%s",
+            rid, len(prompts), sum(map(len, prompts)), completion_tokens, time.perf_counter() - t0, finish,
+        )  # fmt: skip
+
+    if body.stream:
+        return streaming(
+            _stream_completions(body, jobs, echoes, head, logged), media_type="text/event-stream"
+        )
+    choices = await asyncio.gather(*(_complete_one(body, i, job, echoes[i]) for i, job in enumerate(jobs)))
+    n_out = sum(len(j.tokens) for j in jobs)
+    logged(n_out, ",".join(c["finish_reason"] for c in choices))
+    return {**head, "choices": choices, "usage": _usage(sum(map(len, prompts)), n_out)}
+
+
+async def _echo(service: Service, body: CompletionRequest, prompt: list[int]):
+    """(prompt text, its logprobs object or None) for an `echo` request, else None."""
+    if not body.echo:
+        return None
+    lp = None
+    if body.logprobs is not None:
+        scores = await asyncio.to_thread(prompt_logprobs, service.engine.params, service.engine.cfg, prompt)
+        lp = _Logprobs(service, body.logprobs)
+        lp.add(prompt, [None, *scores])
+    return service.decode(prompt), lp
+
+
+async def _complete_one(body: CompletionRequest, index: int, job: _Job, echo) -> dict:
+    text, finish = [], None
+    lp = echo[1] if echo else (_Logprobs(job.service, body.logprobs) if body.logprobs is not None else None)
+    async for piece, tokens, logprobs, finish in job.events():  # noqa: B007 (the last finish is the reply's)
+        text.append(piece)
+        if lp is not None:
+            lp.add(tokens, logprobs)
+    prefix = echo[0] if echo else ""
+    return {
+        "index": index,
+        "text": prefix + "".join(text),
+        "logprobs": lp.obj if lp is not None else None,
+        "finish_reason": finish,
+    }
+
+
+async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: _Job):
+        lp = _Logprobs(job.service, body.logprobs) if body.logprobs is not None else None
+        if echoes[index]:
+            text, echo_lp = echoes[index]
+            await queue.put((index, text, echo_lp.obj if echo_lp else None, None))
+            if echo_lp is not None:
+                lp.offset = echo_lp.offset
+        async for piece, tokens, logprobs, finish in job.events():
+            await queue.put((index, piece, lp.add(tokens, logprobs) if lp else None, finish))
+        await queue.put((index, None, None, "done"))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    finishes = []
+    try:
+        running = len(jobs)
+        while running:
+            index, piece, lp, finish = await queue.get()
+            if finish == "done":
+                running -= 1
+                continue
+            if finish is not None:
+                finishes.append(finish)
+            choice = {"index": index, "text": piece, "logprobs": lp, "finish_reason": finish}
+            yield _sse({**head, "choices": [choice]})
+        for t in tasks:
+            t.result()  # an error inside a job surfaces here
+        n_in, n_out = sum(len(j.request.prompt) for j in jobs), sum(len(j.tokens) for j in jobs)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(n_in, n_out)})
+        yield "data: [DONE]\n\n"
+        logged(n_out, ",".join(finishes))
+    except ApiError as e:
+        yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _chat(service: Service, body: ChatRequest, streaming: Callable):
+    if service.chat is None:
+        raise ApiError(f"this model has no chat template ({service.chat_missing}); use /v1/completions")
+    try:
+        prompt = service.chat.prompt(body.conversation())
+    except Exception as e:  # a template may refuse a conversation (raise_exception in Jinja)
+        raise ApiError(f"the model's chat template refused these messages: {e}", param="messages") from e
+    limit = service.engine.max_len
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(limit - len(prompt), 1)
+    _context_check(service, len(prompt), max_tokens)
+    stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
+    job = _Job(service, prompt, _sampling(service, body, max_tokens, stop_ids), body.stops(), stop_ids)
+    rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
+    top = body.top_logprobs or 0
+
+    def logged(finish) -> None:
+        log.info(
+            "%s chat tokens_in=%d tokens_out=%d latency=%.3fs finish=%s",
+            rid, len(prompt), len(job.tokens), time.perf_counter() - t0, finish,
+        )  # fmt: skip
+
+    if body.stream:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name}
+        return streaming(_stream_chat(service, body, job, head, top, logged), media_type="text/event-stream")
+    text, logprobs, finish = [], [], None
+    async for piece, tokens, lps, finish in job.events():  # noqa: B007 (the last finish is the reply's)
+        text.append(piece)
+        if body.logprobs:
+            logprobs += _chat_logprobs(service, tokens, lps, top)
+    logged(finish)
+    message = {"role": "assistant", "content": "".join(text)}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": logprobs} if body.logprobs else None,
+        "finish_reason": finish,
+    }
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": service.name}
+    return {**head, "choices": [choice], "usage": _usage(len(prompt), len(job.tokens))}
+
+
+async def _stream_chat(service, body: ChatRequest, job: _Job, head, top, logged) -> AsyncIterator[str]:
+    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**head, "choices": [choice]})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for piece, tokens, lps, finish in job.events():
+            lp = {"content": _chat_logprobs(service, tokens, lps, top)} if body.logprobs else None
+            if piece or lp:
+                yield chunk({"content": piece}, None, lp)
+            if finish is not None:
+                yield chunk({}, finish)
+                logged(finish)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(len(job.request.prompt), len(job.tokens))})
+        yield "data: [DONE]\n\n"
+    except ApiError as e:
+        yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the API key, then the body size limit.
+
+    The body is read here in full (at most `max_body` bytes) and replayed to
+    the app, so an oversized upload is refused (413) before any parsing, and
+    the app's later `receive` calls still see a client's disconnect.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+                what = "no API key" if not given else "a wrong API key"
+                message = f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'"
+                return await _send_error(send, ApiError(message, status=401, code="invalid_api_key"))
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            return await _send_error(send, self._too_big(int(declared)))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return await _send_error(send, self._too_big(size))
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _too_big(self, size: int) -> ApiError:
+        return ApiError(
+            f"the request body has {size} bytes, more than this server's limit of {self.max_body} "
+            "(shipyard serve --max-body-mb)",
+            status=413,
+            code="body_too_large",
+        )
+
+
+async def _send_error(send, e: ApiError) -> None:
+    payload = json.dumps(e.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

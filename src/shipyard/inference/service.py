@@ -1,0 +1,109 @@
+"""Build what `shipyard serve` serves from a model directory, and run the HTTP server until SIGTERM.
+
+`load_service` opens any model directory (a run, an `import hf` output, a
+Hugging Face directory), optionally quantizes it to int8, starts the
+continuous-batching engine and compiles it before the port opens; `serve`
+runs uvicorn. uvicorn's own shutdown handles SIGTERM/SIGINT: it stops
+accepting connections, lets in-flight requests (streams included) finish,
+then the lifespan hook stops the engine, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from shipyard.errors import ConfigError, DataError
+from shipyard.inference.engine import Engine
+from shipyard.inference.server import Service, create_app
+
+log = logging.getLogger("shipyard.serve")
+
+
+def load_service(
+    model,
+    *,
+    name: str | None = None,
+    step: int | None = None,
+    tokenizer: str | Path | None = None,
+    template: str | None = None,
+    max_batch: int = 8,
+    max_len: int | None = None,
+    quantize: str | None = None,
+    kv_dtype: str | None = None,
+    tokens_per_call: int = 4,
+) -> Service:
+    """A started, warmed-up `Service` for the model directory `model`."""
+    from shipyard.data.tokenizer import load_tokenizer, special_token_ids
+    from shipyard.model.quant import maybe_quantize
+    from shipyard.runs import open_model_dir
+    from shipyard.train.sft_data import chat_format_for
+
+    model_dir = open_model_dir(model, "serve", tokenizer)
+    tok_dir = model_dir.require_tokenizer("serve")
+    gen = model_dir.generation("serve")
+    context = model_dir.config.model.max_seq_len
+    if max_len is not None and not 1 <= max_len <= context:
+        raise ConfigError(f"serve: --max-len {max_len} must be in 1..{context} (the model's context)")
+    if max_batch < 1:
+        raise ConfigError(f"serve: --max-batch must be at least 1, got {max_batch}")
+    tok = load_tokenizer(tok_dir)
+    ids = special_token_ids(tok_dir, tok)
+    chat, missing = None, ""
+    if template is None:
+        cfg_chat = model_dir.config.data.chat
+        template = cfg_chat.template if cfg_chat is not None else "auto"
+    try:
+        chat = chat_format_for(tok_dir, template)
+    except DataError as e:
+        missing = str(e)
+    cfg, _, params = model_dir.load(step, what="serve")
+    params = maybe_quantize(params, cfg.model, quantize)
+    engine = Engine(
+        params,
+        cfg.model,
+        max_batch=max_batch,
+        max_len=max_len,
+        kv_dtype=kv_dtype,
+        tokens_per_call=tokens_per_call,
+    ).start()
+    engine.warmup()
+    eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
+    specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
+    hf_template = getattr(getattr(chat, "template", None), "source", None)
+    return Service(
+        name=name or Path(model).resolve().name,
+        engine=engine,
+        tok=tok,
+        eos_ids=eos,
+        chat=chat,
+        chat_missing=missing,
+        defaults=gen,
+        specials=specials,
+        chat_template=hf_template if isinstance(hf_template, str) else None,
+    )
+
+
+def serve(service: Service, *, host: str, port: int, api_key: str | None, max_body_bytes: int) -> int:
+    """Run the HTTP server until it is told to stop (SIGTERM / SIGINT drain in-flight requests first)."""
+    import uvicorn
+
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        service.engine.stop()
+
+    # The guard wraps the FastAPI app; the lifespan hook stops the engine once uvicorn has drained.
+    app.app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal into the handler that was installed
+    # before it; a no-op there makes a drained shutdown exit 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if service.engine.error is None else 1

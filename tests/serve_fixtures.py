@@ -1,0 +1,166 @@
+"""A small trained model directory and a `shipyard serve` process around it, for the server tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from data_fixtures import prose, write_jsonl
+
+from shipyard.config import load_config, to_yaml
+from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig
+from shipyard.data.tokenize import run_tokenize
+from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train
+from shipyard.model.transformer import logits, param_specs
+
+VOCAB = 400
+CONTEXT = 256
+
+
+def save_run(run_dir: Path, cfg, params) -> None:
+    """A run directory shipyard can load: config.yaml and checkpoint 1 holding `params`."""
+    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.step import init_state
+
+    optimizer = build_optimizer(cfg.train, param_specs(cfg.model))
+    state = init_state(cfg, jax.tree.map(jnp.asarray, params), optimizer)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
+    ckpt.save(1, state, wait=True)
+    ckpt.close()
+
+
+def trained_run(d: Path, steps: int = 120) -> Path:
+    """The tiny model fitted for `steps` Adam steps to pseudo-word prose, with a BPE tokenizer carrying
+    shipyard's chat tokens: a real (if small) language model whose greedy choices are clear-cut."""
+    from model_fixtures import noisy_params
+
+    docs = write_jsonl(d / "docs.jsonl", [prose(s) for s in range(40)])
+    run_tokenizer_train([str(docs)], d / "tok", TokenizerTrainConfig(vocab_size=VOCAB), ReadConfig())
+    run_tokenize([str(docs)], d / "shards", d / "tok", TokenizeConfig(), ReadConfig(), workers=1)
+    cfg = load_config(
+        "tiny",
+        [f"data.train_tokens={d / 'shards'}", f"model.vocab_size={VOCAB}", f"model.max_seq_len={CONTEXT}"],
+    )
+    tok = load_tokenizer(d / "tok")
+    ids = np.concatenate([tok.encode(prose(s)).ids for s in range(40)]).astype(np.int32)
+    params = jax.tree.map(jnp.asarray, noisy_params(cfg.model, key=0, seed=0, scale=0.0))
+    opt = optax.adam(3e-3)
+
+    def loss(p, x):
+        out = logits(p, x[:, :-1], cfg.model)
+        return optax.softmax_cross_entropy_with_integer_labels(out, x[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s, x):
+        value, g = jax.value_and_grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    state, rng, seq = opt.init(params), np.random.default_rng(0), 65
+    for _ in range(steps):
+        starts = rng.integers(0, len(ids) - seq, 16)
+        params, state, value = step(params, state, jnp.asarray(np.stack([ids[i : i + seq] for i in starts])))
+    assert float(value) < 3.5, f"the fixture model did not learn (loss {float(value):.2f})"
+    save_run(d / "run", cfg, jax.tree.map(np.asarray, params))
+    return d / "run"
+
+
+def slow_run(d: Path, shards: Path) -> Path:
+    """A random model of the `small` preset's shape (decode steps of milliseconds, not microseconds) with
+    the tokenizer of `shards`: for tests that need a request to still be running when they act on it."""
+    from model_fixtures import noisy_params
+
+    cfg = load_config("small", [f"data.train_tokens={shards}", f"model.vocab_size={VOCAB}"])
+    save_run(d / "slow", cfg, noisy_params(cfg.model, key=1, seed=1, scale=0.02))
+    return d / "slow"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`shipyard serve` in a child process on a free local port; `stop()` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, model_dir: Path, *flags: str, api_key: str | None = None, log: Path | None = None):
+        self.port = free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable,
+            "-m",
+            "shipyard.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            *flags,
+        ]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.log_path = log
+        self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shipyard serve exited with {self.proc.returncode}: {self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"shipyard serve did not come up in {timeout} s: {self.log_text()}")
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5.0).json()
+
+    def log_text(self) -> str:
+        return Path(self.log_path).read_text() if self.log_path else ""
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log_path:
+            self.log.close()
+        return self.proc.returncode
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of a server-sent event stream, '[DONE]' as the string."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -1,0 +1,281 @@
+"""`shipyard serve` against the official openai client: outputs equal `shipyard generate` / the chat model,
+continuous batching leaves greedy outputs unchanged, hostile requests are refused, SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from serve_fixtures import ServerProcess, slow_run, sse_events, trained_run
+
+from shipyard.cli.main import main
+
+KEY = "test-key-123"
+PROMPTS = [
+    "Kabel lodor",
+    "Simon",
+    "Mibel kamon kalis",
+    "Nujek pelis, rabel",
+    "Zugat",
+    "Verud sitov",
+    "Ra",
+    "Lobel",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return trained_run(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(run_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    s = ServerProcess(run_dir, "--max-batch", "8", "--model-name", "tiny-chat", api_key=KEY, log=log)
+    yield s
+    code = s.stop()
+    assert code == 0, s.log_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _generate_cli(run_dir, prompts, n, capsys) -> list[str]:
+    """`shipyard generate`'s greedy completions (the text after each prompt)."""
+    args = ["generate", str(run_dir), "--max-new-tokens", str(n)]
+    for p in prompts:
+        args += ["--prompt", p]
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    texts = []
+    for p, block in zip(prompts, out.split("--- ")[1:]):
+        body = block.split("\n", 1)[1].rstrip("\n")
+        assert body.startswith(p)
+        texts.append(body[len(p) :])
+    return texts
+
+
+def test_completions_equal_shipyard_generate(server, client, run_dir, capsys):
+    want = _generate_cli(run_dir, PROMPTS[:4], 24, capsys)
+    for prompt, expected in zip(PROMPTS[:4], want):
+        r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == expected
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
+        stream = client.completions.create(
+            model="tiny-chat", prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+        pieces = [c.choices[0].text for c in stream]
+        assert "".join(pieces) == expected and len(pieces) > 1
+    # a batch of prompts in one request: one choice per prompt, in order
+    r = client.completions.create(model="tiny-chat", prompt=PROMPTS[:4], max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(server, client):
+    full = client.completions.create(model="tiny-chat", prompt="Kabel lodor", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[6:9]
+    assert stop and stop in text
+    for stream in (False, True):
+        r = client.completions.create(
+            model="tiny-chat", prompt="Kabel lodor", max_tokens=24, temperature=0, stop=[stop], stream=stream
+        )
+        chunks = list(r) if stream else [r]
+        got = "".join(c.choices[0].text for c in chunks)
+        assert got == text[: text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_completions_equal_the_chat_model(server, client, run_dir):
+    from shipyard.inference.chat import load_chat_model
+
+    model = load_chat_model(run_dir)
+    conversations = [
+        [{"role": "user", "content": "Kabel lodor mifin"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Simon rasen"}],
+    ]
+    for messages in conversations:
+        want = model.decode(model.replies([messages], 20)[0])
+        r = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20, temperature=0)
+        assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(
+            model="tiny-chat", messages=messages, max_tokens=20, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_eight_concurrent_streams_get_their_single_client_outputs(server, client):
+    lengths = [5, 40, 12, 33, 8, 27, 19, 50]
+    alone = []
+    for p, n in zip(PROMPTS, lengths):
+        r = client.completions.create(model="tiny-chat", prompt=p, max_tokens=n, temperature=0)
+        alone.append(r.choices[0].text)
+    got: dict[int, str] = {}
+
+    def one(i):
+        stream = client.completions.create(
+            model="tiny-chat", prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, stream=True
+        )
+        got[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(8)] == alone
+
+
+def test_seeded_sampling_repeats_and_does_not_depend_on_other_requests(server, client):
+    def sample(seed):
+        r = client.completions.create(
+            model="tiny-chat", prompt="Mibel", max_tokens=16, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return r.choices[0].text
+
+    a = sample(7)
+    busy = threading.Thread(
+        target=lambda: client.completions.create(
+            model="tiny-chat", prompt="Ra", max_tokens=60, temperature=1.0
+        )
+    )
+    busy.start()
+    b = sample(7)
+    busy.join()
+    assert a == b
+    assert any(sample(s) != a for s in (8, 9, 10))
+
+
+def _post(server, path, body, headers=None, raw=None):
+    h = {"Authorization": f"Bearer {KEY}", **(headers or {})}
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers=h, timeout=30)
+
+
+HOSTILE = [
+    # (what, request kwargs, status, words the message must contain)
+    ("not JSON", {"raw": b"{not json"}, 400, "not valid JSON"),
+    ("a JSON array", {"body": [1, 2]}, 400, "JSON object"),
+    ("unknown model", {"body": {"model": "gpt-9", "prompt": "x"}}, 400, "not served here"),
+    ("max_tokens past the context", {"body": {"model": "tiny-chat", "prompt": "x", "max_tokens": 10**6}}, 400, "context"),
+    ("prompt past the context", {"body": {"model": "tiny-chat", "prompt": "Simon " * 400}}, 400, "context"),
+    ("max_tokens 0", {"body": {"model": "tiny-chat", "prompt": "x", "max_tokens": 0}}, 400, "max_tokens"),
+    ("max_tokens as a string", {"body": {"model": "tiny-chat", "prompt": "x", "max_tokens": "5"}}, 400, "max_tokens"),
+    ("prompt a number", {"body": {"model": "tiny-chat", "prompt": 5}}, 400, "prompt"),
+    ("negative temperature", {"body": {"model": "tiny-chat", "prompt": "x", "temperature": -1}}, 400, "temperature"),
+    ("n=2", {"body": {"model": "tiny-chat", "prompt": "x", "n": 2}}, 400, "n"),
+    ("token id past the vocabulary", {"body": {"model": "tiny-chat", "prompt": [1, 10**6]}}, 400, "vocabulary"),
+    ("logit_bias", {"body": {"model": "tiny-chat", "prompt": "x", "logit_bias": {"1": 5}}}, 400, "logit_bias"),
+    ("chat without messages", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": []}}, 400, "messages"),
+    ("chat with a bad role", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": [{"role": "wizard", "content": "x"}]}}, 400, "role"),
+    ("missing API key", {"body": {"model": "tiny-chat", "prompt": "x"}, "headers": {"Authorization": ""}}, 401, "API key"),
+    ("wrong API key", {"body": {"model": "tiny-chat", "prompt": "x"}, "headers": {"Authorization": "Bearer nope"}}, 401, "API key"),
+    ("a body of 5 MB", {"raw": b'{"model": "tiny-chat", "prompt": "' + b"a" * (5 << 20) + b'"}'}, 413, "limit"),
+    ("unknown route", {"path": "/v1/nothing", "body": {}}, 404, "Not Found"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, kw, status, words", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_requests_are_refused_and_the_server_keeps_serving(server, client, what, kw, status, words):
+    r = _post(server, kw.get("path", "/v1/completions"), kw.get("body"), kw.get("headers"), kw.get("raw"))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"]
+    ok = client.completions.create(model="tiny-chat", prompt="Simon", max_tokens=3, temperature=0)
+    assert len(ok.choices[0].text) > 0
+
+
+def test_the_openai_client_raises_on_refusals(server, client):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny-chat", prompt="x", max_tokens=10**6)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+
+
+@pytest.fixture(scope="module")
+def slow_server(run_dir, tmp_path_factory):
+    """A server around the `small`-shaped model, whose requests last long enough to act on mid-way."""
+    d = tmp_path_factory.mktemp("slow")
+    s = ServerProcess(slow_run(d, run_dir.parent / "shards"), "--max-batch", "2", api_key=KEY, log=d / "log")
+    yield s
+    s.stop()
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(slow_server, client):
+    server = slow_server
+    body = json.dumps({"model": "slow", "prompt": "Kabel", "max_tokens": 900, "stream": True})
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body.encode())
+    received = b""
+    while b"data: " not in received:  # streaming has begun
+        received += sock.recv(4096)
+    assert server.health()["active"] == 1
+    sock.close()
+    deadline = time.monotonic() + 20
+    while server.health()["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["active"] == 0  # freed long before its 900 tokens
+    assert "client went away" in server.log_text()
+    r = _post(server, "/v1/completions", {"model": "slow", "prompt": "Simon", "max_tokens": 3})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_logprobs_score_the_prompt_like_the_model(server, run_dir):
+    import numpy as np
+
+    from shipyard.inference.engine import prompt_logprobs
+    from shipyard.runs import open_model_dir
+
+    tokens = [5, 17, 99, 3, 8, 2, 77]
+    r = _post(
+        server,
+        "/v1/completions",
+        {
+            "model": "tiny-chat",
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 1,
+        },
+    )
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(tokens) + 1
+    cfg, _, params = open_model_dir(run_dir, "test").load()
+    want = [c for c, _ in prompt_logprobs(params, cfg.model, tokens)]
+    np.testing.assert_allclose(lp["token_logprobs"][1 : len(tokens)], want, rtol=1e-5)
+    assert all(
+        max(top.values()) >= lp_ - 1e-6 for lp_, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+    )
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_zero(slow_server):
+    s = slow_server
+    body = {"model": "slow", "prompt": "Kabel", "max_tokens": 120, "temperature": 0, "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, headers=s.headers(), timeout=60) as r:
+        it = r.iter_lines()
+        lines.append(next(it))
+        s.proc.send_signal(15)  # SIGTERM while the stream runs
+        lines.extend(it)
+    assert s.proc.wait(60) == 0, s.log_text()
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "tokens_out=120" in s.log_text() and "finish=length" in s.log_text()  # the request log line
