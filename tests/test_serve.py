@@ -279,3 +279,68 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(slow_server):
     events = sse_events(lines)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert "tokens_out=120" in s.log_text() and "finish=length" in s.log_text()  # the request log line
+
+
+MC_ROWS = [
+    {"context": "Kabel lodor mifin", "choices": [" pegat.", " zumon tolis ravix kabel.", " x"], "label": 1},
+    {"context": "Simon", "choices": [" rasen", " tovel"], "label": 0},
+    {"context": "Mibel kamon kalis", "choices": [" kafin.", " lobel tovhum.", " ra", " sigat"], "label": 3},
+    {"context": "Nujek pelis, rabel", "choices": [" tosen mipat.", " zurud"], "label": 1},
+    {"context": "Verud sitov kahum lomon nufin", "choices": [" pejek.", " rawix sibel."], "label": 0},
+]
+
+
+def _mc_task(d) -> str:
+    mc = d / "mc.jsonl"
+    mc.write_text("".join(json.dumps(r) + "\n" for r in MC_ROWS))
+    tasks = d / "tasks"
+    tasks.mkdir()
+    (tasks / "serve_mc.yaml").write_text(
+        f"task: serve_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(str(mc))}\n"
+        f"  cache_dir: {json.dumps(str(d / 'hf-datasets'))}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: context\ndoc_to_choice: choices\ndoc_to_target: label\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    return str(tasks)
+
+
+def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir, tmp_path, monkeypatch):
+    """lm-eval's own OpenAI-completions client, tokenizing through the server's /tokenize endpoint."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import lm_eval.models  # noqa: F401  (lm-eval's own models, local-completions among them)
+    from lm_eval.tasks import TaskManager
+
+    import shipyard.lm_eval_adapter  # noqa: F401  (registers the in-process "shipyard" model)
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what lm-eval's local-completions sends as the Bearer key
+    include = _mc_task(tmp_path)
+
+    def run(model, model_args):
+        out = lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=["serve_mc"],
+            task_manager=TaskManager(include_path=include, include_defaults=False),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+        samples = sorted(out["samples"]["serve_mc"], key=lambda s: s["doc_id"])
+        return out["results"]["serve_mc"], [[float(r[0][0]) for r in s["resps"]] for s in samples]
+
+    remote, remote_ll = run(
+        "local-completions",
+        {
+            "base_url": server.url + "/v1/completions",
+            "model": "tiny-chat",
+            "tokenizer_backend": "remote",
+            "auth_token": KEY,
+            "max_length": 256,
+            "max_retries": 1,
+        },
+    )
+    local, local_ll = run("shipyard", {"checkpoint": str(run_dir), "batch_size": 4})
+    assert remote["acc,none"] == local["acc,none"] and remote["acc_norm,none"] == local["acc_norm,none"]
+    assert len(remote_ll) == len(MC_ROWS)
+    for r, ll in zip(remote_ll, local_ll):
+        assert r == pytest.approx(ll, abs=1e-4)
