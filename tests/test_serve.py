@@ -306,7 +306,8 @@ def _mc_task(d) -> str:
 
 def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir, tmp_path, monkeypatch):
     """lm-eval's own OpenAI-completions client, tokenizing through the server's /tokenize endpoint."""
-    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval")
+    import lm_eval
     import lm_eval.models  # noqa: F401  (lm-eval's own models, local-completions among them)
     from lm_eval.tasks import TaskManager
 
