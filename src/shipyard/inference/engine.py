@@ -38,7 +38,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
-from shipyard.inference.generate import decode_compiler_options
+from shipyard.inference.generate import decode_compiler_options, default_kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class Engine:
             raise ValueError("max_batch and tokens_per_call must be at least 1")
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
         self.params = jax.tree.map(jnp.asarray, params)
-        kv_dtype = jnp.dtype(kv_dtype or jnp.asarray(self.params.embed).dtype)
+        kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
         if cpu_decode.supported(self.params, cfg):
             self._weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
             forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
@@ -262,7 +262,7 @@ class Engine:
         self._decode = jax.jit(
             partial(_decode_steps, forward=forward, chunk=tokens_per_call, max_len=max_len),
             donate_argnums=(1, 2),
-            compiler_options=decode_compiler_options(),
+            compiler_options=decode_compiler_options(self.params),
         )
         self._slots: list[Request | None] = [None] * max_batch
         self._pending: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -432,7 +432,7 @@ def _host_logprobs(logprobs) -> tuple[float, list[tuple[int, float]]]:
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _prompt_logprobs(params, tokens, cfg: ModelConfig):
-    cache = init_cache(cfg, 1, tokens.shape[1], jnp.asarray(params.embed).dtype)
+    cache = init_cache(cfg, 1, tokens.shape[1], default_kv_dtype(params))
     start = jnp.zeros(1, jnp.int32)
     logits, _ = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg)
     logits = logits[0, :-1]

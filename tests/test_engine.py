@@ -1,0 +1,123 @@
+"""The continuous-batching engine: every request gets exactly what it would get alone."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_fixtures import noisy_params
+
+from shipyard.config import load_config
+from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.engine import Engine, Request, Sampling, prompt_bucket
+from shipyard.inference.generate import Generator
+from shipyard.model.quant import maybe_quantize
+
+RNG = np.random.default_rng(0)
+LENS = (5, 17, 1, 30, 9, 12, 3, 40, 22, 8)
+NEW = (12, 5, 20, 7, 16, 1, 9, 11, 14, 6)
+
+
+def _prompts(vocab):
+    return [RNG.integers(3, vocab, size=n).tolist() for n in LENS]
+
+
+def _run(engine: Engine, prompts, sampling) -> list[tuple[list[int], str]]:
+    """Submit everything at once (more requests than slots); (tokens, finish) per request."""
+    results: dict[int, tuple[list[int], str]] = {}
+    done = threading.Event()
+
+    def collect(i):
+        acc: list[int] = []
+
+        def on_tokens(tokens, _logprobs, finish):
+            acc.extend(tokens)
+            if finish:
+                results[i] = (acc, finish)
+                if len(results) == len(prompts):
+                    done.set()
+
+        return on_tokens
+
+    for i, (p, s) in enumerate(zip(prompts, sampling)):
+        engine.submit(Request(p, s, collect(i)))
+    assert done.wait(120)
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "config, quantize, kv_dtype",
+    [("tiny", None, None), ("tiny", "int8", "bfloat16"), ("moe-tiny", None, None)],
+)
+def test_batched_requests_equal_each_alone(config, quantize, kv_dtype):
+    cfg = load_config(config).model
+    params = maybe_quantize(noisy_params(cfg, key=3, seed=2, scale=0.2), cfg, quantize)
+    prompts = _prompts(cfg.vocab_size)
+    gen = Generator(params, cfg, kv_dtype=kv_dtype)
+    want = [gen([p], n)[0] for p, n in zip(prompts, NEW)]
+    engine = Engine(params, cfg, max_batch=4, max_len=128, tokens_per_call=3, kv_dtype=kv_dtype).start()
+    try:
+        got = _run(engine, prompts, [Sampling(max_tokens=n) for n in NEW])
+    finally:
+        engine.stop()
+    assert [t for t, _ in got] == want
+    assert all(f == "length" for _, f in got)
+
+
+def test_stop_ids_seeds_and_cancel():
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=3, seed=2, scale=0.2)
+    prompts = _prompts(cfg.vocab_size)[:4]
+    engine = Engine(params, cfg, max_batch=2, max_len=96).start()
+    try:
+        greedy = _run(engine, prompts, [Sampling(max_tokens=20)] * 4)
+        stop_at = greedy[0][0][4]
+        stopped = _run(engine, prompts[:1], [Sampling(max_tokens=20, stop_ids=(stop_at,))])[0]
+        assert stopped == (greedy[0][0][: greedy[0][0].index(stop_at) + 1], "stop")
+        hot = [Sampling(max_tokens=15, temperature=1.0, top_k=40, top_p=0.9, seed=s) for s in (1, 1, 2, 1)]
+        a = _run(engine, prompts[:1] * 4, hot)  # same seed, same reply, whichever slot and neighbours
+        assert a[0] == a[1] == a[3] and a[2] != a[0]
+        # a cancelled request frees its slot: with both slots held by endless requests cancelled,
+        # a third still runs
+        holders = [Request(prompts[0], Sampling(max_tokens=90), lambda *_: None) for _ in range(2)]
+        for r in holders:
+            engine.submit(r)
+        for r in holders:
+            r.cancel()
+        assert _run(engine, prompts[1:2], [Sampling(max_tokens=3)])[0][1] == "length"
+        assert all(r.finished for r in holders) and engine.active() == 0
+    finally:
+        engine.stop()
+
+
+def test_per_row_positions_equal_one_position_per_call():
+    """forward_cached with a [batch] of cache slots computes what each row computes at its own slot."""
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=1, seed=4, scale=0.2)
+    cache = init_cache(cfg, 2, 32)
+    tokens = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]])
+    _, cache = forward_cached(params, tokens, cache, jnp.int32(0), jnp.asarray([0, 2]), cfg)
+    step = jnp.asarray([[3], [4]])
+    got, _ = forward_cached(params, step, cache, jnp.asarray([4, 6]), jnp.asarray([0, 2]), cfg)
+    for row, pos in ((0, 4), (1, 6)):
+        one = jnp.asarray([pos])
+        want, _ = forward_cached(
+            params, step[row : row + 1], _row(cache, row), one, jnp.asarray([(0, 2)[row]]), cfg
+        )
+        np.testing.assert_allclose(np.asarray(got[row]), np.asarray(want[0]), atol=1e-5)
+
+
+def _row(cache, b):
+    return type(cache)(cache.k[:, b : b + 1], cache.v[:, b : b + 1])
+
+
+def test_refusals_and_buckets():
+    cfg = load_config("tiny").model
+    engine = Engine(noisy_params(cfg, key=0, seed=0, scale=0.1), cfg, max_batch=1, max_len=64)
+    with pytest.raises(ValueError, match="exceeds the context of 64"):
+        engine.submit(Request([1] * 60, Sampling(max_tokens=5), lambda *_: None))
+    with pytest.raises(ValueError, match="max_len"):
+        Engine(noisy_params(cfg, key=0, seed=0, scale=0.1), cfg, max_len=cfg.max_seq_len + 1)
+    assert [prompt_bucket(n, 100) for n in (1, 16, 17, 33, 90)] == [16, 16, 32, 64, 100]
