@@ -172,8 +172,8 @@ def test_shipyard_generate_prints_the_models_text_from_the_artifact(model, capsy
 
 def test_an_artifact_and_a_model_directory_are_told_apart(model, tmp_path):
     assert is_artifact(model["art"]) and not is_artifact(model["hf"])
-    with pytest.raises(RunDirError):
-        open_model_dir(model["art"], "generate")
+    with pytest.raises(RunDirError, match="is a StableHLO artifact.*only `shipyard generate` runs it"):
+        open_model_dir(model["art"], "chat")
     shards = tmp_path / "shards"  # token shards have a manifest.json of their own
     shards.mkdir()
     (shards / "manifest.json").write_text(json.dumps({"vocab_size": 320, "shards": []}))

@@ -201,6 +201,11 @@ def _open(path: Path, what: str) -> ModelDir:
     if not path.is_dir():
         raise RunDirError(f"{what}: {path} does not exist (expected {_KINDS})")
     if not (path / "config.yaml").is_file():
+        if (path / "prefill.stablehlo").is_file():  # inference/artifact.py's layout (a layer above this one)
+            raise RunDirError(
+                f"{what}: {path} is a StableHLO artifact (`shipyard export stablehlo`); only "
+                "`shipyard generate` runs it; give the model directory it was exported from"
+            )
         if not is_hf_dir(path):
             raise RunDirError(
                 f"{what}: {path} has neither config.yaml nor config.json + *.safetensors ({_KINDS})"
