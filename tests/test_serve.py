@@ -47,9 +47,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _generate_cli(run_dir, prompts, n, capsys) -> list[str]:
+def _generate_cli(run_dir, prompts, n, capsys, *flags) -> list[str]:
     """`shipyard generate`'s greedy completions (the text after each prompt)."""
-    args = ["generate", str(run_dir), "--max-new-tokens", str(n)]
+    args = ["generate", str(run_dir), "--max-new-tokens", str(n), *flags]
     for p in prompts:
         args += ["--prompt", p]
     capsys.readouterr()
@@ -279,6 +279,24 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(slow_server):
     events = sse_events(lines)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert "tokens_out=120" in s.log_text() and "finish=length" in s.log_text()  # the request log line
+
+
+def test_serve_int8_with_a_bfloat16_cache_answers_like_generate_int8(run_dir, tmp_path, capsys):
+    flags = ["--quantize", "int8", "--kv-dtype", "bfloat16"]
+    s = ServerProcess(run_dir, "--max-batch", "4", *flags, log=tmp_path / "log")
+    try:
+        got = []
+        for p in PROMPTS[:4]:
+            r = httpx.post(
+                s.url + "/v1/completions",
+                json={"model": run_dir.name, "prompt": p, "max_tokens": 16, "temperature": 0},
+                timeout=30,
+            )
+            got.append(r.json()["choices"][0]["text"])
+    finally:
+        assert s.stop() == 0
+    want = _generate_cli(run_dir, PROMPTS[:4], 16, capsys, *flags)
+    assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
 
 
 MC_ROWS = [
