@@ -62,6 +62,9 @@ class Sampling:
     """PRNG seed of this request alone: the same seed gives the same reply, whatever else runs."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end the reply (kept in the output; the caller decides whether to show them)."""
+    logprobs: bool = False
+    """Report each token's log-probability and the best alternatives (otherwise `on_tokens` gets None
+    for each: a decode call computes them only when some request in it asks)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,8 +143,51 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int = TOP_LOGPROBS
     return chosen, best, ids.astype(jnp.int32)
 
 
-def _decode_steps(weights, rows: Rows, caches, *, forward, chunk: int, max_len: int):
-    """`chunk` decode steps for every row: (tokens [chunk, batch], logprobs, rows, caches)."""
+def _no_logprobs(logits, tokens, top: int = TOP_LOGPROBS):
+    B = tokens.shape[0]
+    return jnp.zeros(B), jnp.zeros((B, top)), jnp.zeros((B, top), jnp.int32)
+
+
+def _decode_steps(
+    weights, rows: Rows, caches, want_logprobs, *, forward, chunk, n_rows: int, span: int, axes
+):
+    """`chunk` decode steps for the first `n_rows` rows over the first `span` cache slots:
+    (tokens [chunk, n_rows], logprobs, rows, caches).
+
+    The busy rows are the lowest slots and none reaches past `span` in this
+    call, so the step runs on a copy of just that corner of the cache (rows and
+    slots), written back in place afterwards: a decode step reads every cached
+    key it covers, and with few short requests in a long, wide cache most of it
+    would be idle rows and empty slots. `axes` gives each cache array's (row,
+    slot) axes by its field name ("k" or "v").
+    """
+    full_rows, full_caches = rows, caches
+    rows = jax.tree.map(lambda x: x[:n_rows], rows)
+    caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
+    out, rows, caches = _steps(weights, rows, caches, want_logprobs, forward=forward, chunk=chunk, span=span)
+    rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
+    caches = _map_cache(
+        lambda name, full, part: jax.lax.dynamic_update_slice(full, part, [0] * full.ndim),
+        full_caches,
+        caches,
+    )
+    return out, rows, caches
+
+
+def _corner(a, row_axis: int, slot_axis: int, n_rows: int, span: int):
+    a = jax.lax.slice_in_dim(a, 0, n_rows, axis=row_axis)
+    return jax.lax.slice_in_dim(a, 0, span, axis=slot_axis)
+
+
+def _map_cache(fn, caches, *others):
+    """fn(field name "k" / "v", array, *matching arrays of `others`) over a KVCache or per-layer caches."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(caches)
+    rest = [jax.tree.leaves(o) for o in others]
+    out = [fn(path[-1].name, a, *(r[i] for r in rest)) for i, (path, a) in enumerate(paths)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _steps(weights, rows: Rows, caches, want_logprobs, *, forward, chunk: int, span: int):
     B = rows.last.shape[0]
 
     def body(i, carry):
@@ -149,10 +195,10 @@ def _decode_steps(weights, rows: Rows, caches, *, forward, chunk: int, max_len: 
         logits, caches = forward(weights, rows.last[:, None], caches, rows.pos, rows.start)
         logits = logits[:, -1]
         tokens, key = sample_rows(logits, rows.key, rows.temperature, rows.top_k, rows.top_p)
-        chosen, best, ids = token_logprobs(logits, tokens)
+        chosen, best, ids = jax.lax.cond(want_logprobs, token_logprobs, _no_logprobs, logits, tokens)
         out = jax.tree.map(lambda o, x: o.at[i].set(x), out, (tokens, chosen, best, ids))
         # a row past its end (it has finished; the host ignores it) keeps overwriting its last slot
-        rows = rows._replace(last=tokens, pos=jnp.minimum(rows.pos + 1, max_len - 1), key=key)
+        rows = rows._replace(last=tokens, pos=jnp.minimum(rows.pos + 1, span - 1), key=key)
         return out, rows, caches
 
     out = (
@@ -236,11 +282,12 @@ class Engine:
         if cpu_decode.supported(self.params, cfg):
             self._weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
             forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
-            batch_axis = 0  # per-layer caches [batch, ...]
+            axes = {"k": (0, 3), "v": (0, 2)}  # per-layer head-major caches: k [b, k, d, s], v [b, k, s, d]
         else:
             self._weights = self.params
             forward, to_decode = partial(forward_cached, cfg=cfg), lambda cache: cache
-            batch_axis = 1  # KVCache [layers, batch, ...]
+            axes = {"k": (1, 2), "v": (1, 2)}  # KVCache [layers, batch, slots, kv_heads, head_dim]
+        batch_axis = axes["k"][0]
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
 
         def zeros():  # a buffer per field: each is donated to the decode call
@@ -260,10 +307,13 @@ class Engine:
             donate_argnums=(1, 2),
         )
         self._decode = jax.jit(
-            partial(_decode_steps, forward=forward, chunk=tokens_per_call, max_len=max_len),
+            partial(_decode_steps, forward=forward, chunk=tokens_per_call, axes=axes),
             donate_argnums=(1, 2),
+            static_argnames=("n_rows", "span"),
             compiler_options=decode_compiler_options(self.params),
         )
+        self.tokens_per_call = tokens_per_call
+        self._pos = [0] * max_batch  # each slot's cache position as the host knows it (busy slots: exact)
         self._slots: list[Request | None] = [None] * max_batch
         self._pending: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -301,8 +351,41 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, cache slots) a decode call may cover (`shape`)."""
+        return [(r, s) for r in _sizes(1, self.max_batch) for s in _sizes(64, self.max_len)]
+
+    def compile(self, on_shape: Callable[[], None] | None = None) -> None:
+        """Compile every decode shape and prefill bucket now (before `start`), so no request waits for a
+        compilation mid-stream. Runs each once on the idle cache (idle rows hold nothing)."""
+        if self._thread is not None:
+            raise RuntimeError("compile the engine before starting it")
+        for n_rows, span in self.shapes():
+            out, self._rows, self._caches = self._decode(
+                self._weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
+            )
+            jax.block_until_ready(out)
+            if on_shape is not None:
+                on_shape()
+        buckets = sorted({prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len})
+        for P in buckets:
+            tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
+            settings = (jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
+            token, _, self._rows, self._caches = self._admit(
+                self.params, self._rows, self._caches, tokens, start, jnp.int32(0), settings
+            )
+            jax.block_until_ready(token)
+            if on_shape is not None:
+                on_shape()
+
+    def compilations(self) -> int:
+        """How many programs `compile` builds."""
+        return len(self.shapes()) + len(
+            {prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len}
+        )
+
     def warmup(self) -> None:
-        """Compile the decode step and the smallest prefill now, so the first request does not pay."""
+        """Run one tiny request through the started engine (the smallest prefill and decode shape)."""
         done = threading.Event()
         self.submit(Request([0], Sampling(max_tokens=2), lambda _t, _l, finish: finish and done.set()))
         done.wait()
@@ -329,14 +412,28 @@ class Engine:
                 continue
             queued = None
             if any(self._slots):
-                out, self._rows, self._caches = self._decode(self._weights, self._rows, self._caches)
-                queued = (out, list(self._slots))
+                n_rows, span = self.shape()
+                want = any(r is not None and r.sampling.logprobs for r in self._slots[:n_rows])
+                out, self._rows, self._caches = self._decode(
+                    self._weights, self._rows, self._caches, np.bool_(want), n_rows=n_rows, span=span
+                )
+                queued = (out, list(self._slots[:n_rows]))
+                for b in range(n_rows):
+                    self._pos[b] = min(self._pos[b] + self.tokens_per_call, span - 1)
             if in_flight is not None:
                 self._deliver(*in_flight)
             in_flight = queued
         for r in self._slots:
             if r is not None and not r.finished:
                 self._finish(r, [], [], "cancelled")
+
+    def shape(self) -> tuple[int, int]:
+        """(rows, cache slots) the next decode call covers: the smallest of `shapes` covering the highest
+        busy slot and the furthest position a busy row reaches in the call."""
+        busy = [b for b, r in enumerate(self._slots) if r is not None]
+        reach = max(self._pos[b] for b in busy) + self.tokens_per_call
+        n_rows = next(r for r in _sizes(1, self.max_batch) if r > max(busy))
+        return n_rows, next(s for s in _sizes(64, self.max_len) if s >= reach or s == self.max_len)
 
     def _admit_pending(self, block: bool) -> None:
         """Prefill queued requests into free slots (waiting for one when `block` and nothing runs)."""
@@ -368,8 +465,8 @@ class Engine:
         token, logprobs, self._rows, self._caches = self._admit(
             self.params, self._rows, self._caches, jnp.asarray(tokens), start, jnp.int32(slot), settings
         )
-        self._slots[slot] = request
-        self._take(request, [int(token)], [_host_logprobs(logprobs)])
+        self._slots[slot], self._pos[slot] = request, P
+        self._take(request, [int(token)], [_host_logprobs(logprobs) if s.logprobs else None])
 
     def _deliver(self, out, owners: Sequence[Request | None]) -> None:
         tokens, chosen, best, ids = (np.asarray(x) for x in out)
@@ -379,10 +476,12 @@ class Engine:
             if request.cancelled:
                 self._finish(request, [], [], "cancelled")
                 continue
-            lp = [
-                (float(chosen[i, b]), list(zip(ids[i, b].tolist(), best[i, b].tolist())))
-                for i in range(len(tokens))
-            ]
+            lp = [None] * len(tokens)
+            if request.sampling.logprobs:
+                lp = [
+                    (float(chosen[i, b]), list(zip(ids[i, b].tolist(), best[i, b].tolist())))
+                    for i in range(len(tokens))
+                ]
             self._take(request, tokens[:, b].tolist(), lp)
 
     def _take(self, request: Request, tokens: list[int], logprobs: list) -> None:
@@ -423,6 +522,16 @@ class Engine:
                 return
             if request is not None and not request.finished:
                 self._finish(request, [], [], "cancelled" if self.error is None else "error")
+
+
+def _sizes(smallest: int, largest: int) -> list[int]:
+    """smallest, 4 x smallest, 16 x ... below `largest`, then `largest`: the sizes a decode call is
+    compiled for. Steps of 4 keep the compilations few (each costs about a second) at the price of
+    covering up to 4x the busy rows or slots."""
+    out = [smallest]
+    while out[-1] * 4 < largest:
+        out.append(out[-1] * 4)
+    return [s for s in out if s < largest] + [largest]
 
 
 def _host_logprobs(logprobs) -> tuple[float, list[tuple[int, float]]]:

@@ -76,7 +76,7 @@ class Service:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def _sampling(service: Service, body, max_tokens: int, stop_ids) -> Sampling:
+def _sampling(service: Service, body, max_tokens: int, stop_ids, logprobs: bool = False) -> Sampling:
     d = service.defaults
 
     def pick(value, default, fallback):
@@ -90,6 +90,7 @@ def _sampling(service: Service, body, max_tokens: int, stop_ids) -> Sampling:
         top_p=float(pick(body.top_p, getattr(d, "top_p", None), 1.0)),
         seed=body.seed if body.seed is not None else 0,
         stop_ids=tuple(stop_ids),
+        logprobs=logprobs,
     )
 
 
@@ -324,7 +325,7 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
         _Job(
             service,
             p,
-            _sampling(service, body, body.max_tokens, service.eos_ids),
+            _sampling(service, body, body.max_tokens, service.eos_ids, body.logprobs is not None),
             body.stops(),
             service.eos_ids,
         )
@@ -430,7 +431,8 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     max_tokens = body.max_completion_tokens or body.max_tokens or max(limit - len(prompt), 1)
     _context_check(service, len(prompt), max_tokens)
     stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
-    job = _Job(service, prompt, _sampling(service, body, max_tokens, stop_ids), body.stops(), stop_ids)
+    sampling = _sampling(service, body, max_tokens, stop_ids, bool(body.logprobs))
+    job = _Job(service, prompt, sampling, body.stops(), stop_ids)
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
     top = body.top_logprobs or 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
 from shipyard.inference.server import Service, create_app
+from shipyard.output import progress
 
 log = logging.getLogger("shipyard.serve")
 
@@ -68,8 +69,11 @@ def load_service(
         max_len=max_len,
         kv_dtype=kv_dtype,
         tokens_per_call=tokens_per_call,
-    ).start()
-    engine.warmup()
+    )
+    # every decode shape and prefill bucket now, not in the middle of someone's stream
+    with progress(desc="serve: compiling", unit="program", total=engine.compilations()) as bar:
+        engine.compile(on_shape=bar.update)
+    engine.start()
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
     specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
     hf_template = getattr(getattr(chat, "template", None), "source", None)
