@@ -155,7 +155,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(run_dir: Path, log: Path, tokens_per_call: int) -> tuple[subprocess.Popen, str]:
+def start_server(
+    run_dir: Path, log: Path, tokens_per_call: int, quantize: str | None
+) -> tuple[subprocess.Popen, str]:
     """`shipyard serve` in a child process; returns once /health answers (the engine is compiled)."""
     import httpx
 
@@ -163,6 +165,7 @@ def start_server(run_dir: Path, log: Path, tokens_per_call: int) -> tuple[subpro
     cmd = [sys.executable, "-m", "shipyard.cli", "serve", str(run_dir), "--port", str(port)]
     cmd += ["--max-batch", str(MAX_BATCH), "--max-len", str(MAX_LEN), "--model-name", MODEL_NAME]
     cmd += ["--tokens-per-call", str(tokens_per_call)]
+    cmd += ["--quantize", quantize] if quantize else []
     with log.open("w") as f:
         proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -273,7 +276,7 @@ def client_round(url: str, batch: list[list[int]], concurrency: int) -> dict:
 def measure_server(run_dir: Path, batch: list[list[int]], args, log: Path) -> dict:
     """Warm the server up, then `args.rounds` rounds at each concurrency."""
     t = time.perf_counter()
-    proc, url = start_server(run_dir, log, args.tokens_per_call)
+    proc, url = start_server(run_dir, log, args.tokens_per_call, args.quantize)
     startup = time.perf_counter() - t
     try:
         t = time.perf_counter()
@@ -382,7 +385,12 @@ def report(server: dict, tf: dict, tok_dir: Path, args) -> dict:
         "requests": len(PROMPT_LENS),
         "prompt_lengths": list(PROMPT_LENS),
         "new_tokens": NEW_TOKENS,
-        "server": {"max_batch": MAX_BATCH, "max_len": MAX_LEN, "tokens_per_call": args.tokens_per_call},
+        "server": {
+            "max_batch": MAX_BATCH,
+            "max_len": MAX_LEN,
+            "tokens_per_call": args.tokens_per_call,
+            "quantize": args.quantize,
+        },
         "rounds": args.rounds,
         "shipyard": {f"{c}_clients": s for c, s in by_c.items()},
         "ratio_16_over_1_clients": many / one,
@@ -437,8 +445,9 @@ def main() -> None:
         "--rounds", type=int, default=3, help="timed rounds per concurrency (and for transformers)"
     )
     ap.add_argument(
-        "--tokens-per-call", type=int, default=4, help="the server's decode steps per device call"
+        "--tokens-per-call", type=int, default=8, help="the server's decode steps per device call"
     )
+    ap.add_argument("--quantize", choices=("int8",), default=None, help="serve int8 weights (`--quantize`)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_throughput.json"))
     ap.add_argument("--keep-log", action="store_true", help="keep the server log as OUT.server.log")
     ap.add_argument("--worker", choices=("transformers",), help=argparse.SUPPRESS)

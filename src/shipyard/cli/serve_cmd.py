@@ -71,7 +71,7 @@ def register(sub) -> None:
         default=None,
         help="cache slots per row: prompt + reply (default: the model's context)",
     )
-    sv.add_argument("--tokens-per-call", type=int, default=4, help="decode steps per device call")
+    sv.add_argument("--tokens-per-call", type=int, default=8, help="decode steps per device call")
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
     sv.add_argument(
         "--template",

@@ -269,7 +269,7 @@ class Engine:
         max_batch: int = 8,
         max_len: int | None = None,
         kv_dtype=None,
-        tokens_per_call: int = 4,
+        tokens_per_call: int = 8,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:

@@ -34,7 +34,7 @@ def load_service(
     max_len: int | None = None,
     quantize: str | None = None,
     kv_dtype: str | None = None,
-    tokens_per_call: int = 4,
+    tokens_per_call: int = 8,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
