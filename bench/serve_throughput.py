@@ -156,7 +156,7 @@ def _free_port() -> int:
 
 
 def start_server(
-    run_dir: Path, log: Path, tokens_per_call: int, quantize: str | None
+    run_dir: Path, log: Path, tokens_per_call: int, quantize: str | None, fixed_shape: bool
 ) -> tuple[subprocess.Popen, str]:
     """`shipyard serve` in a child process; returns once /health answers (the engine is compiled)."""
     import httpx
@@ -166,6 +166,7 @@ def start_server(
     cmd += ["--max-batch", str(MAX_BATCH), "--max-len", str(MAX_LEN), "--model-name", MODEL_NAME]
     cmd += ["--tokens-per-call", str(tokens_per_call)]
     cmd += ["--quantize", quantize] if quantize else []
+    cmd += ["--fixed-shape"] if fixed_shape else []
     with log.open("w") as f:
         proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -276,7 +277,7 @@ def client_round(url: str, batch: list[list[int]], concurrency: int) -> dict:
 def measure_server(run_dir: Path, batch: list[list[int]], args, log: Path) -> dict:
     """Warm the server up, then `args.rounds` rounds at each concurrency."""
     t = time.perf_counter()
-    proc, url = start_server(run_dir, log, args.tokens_per_call, args.quantize)
+    proc, url = start_server(run_dir, log, args.tokens_per_call, args.quantize, args.fixed_shape)
     startup = time.perf_counter() - t
     try:
         t = time.perf_counter()
@@ -390,6 +391,7 @@ def report(server: dict, tf: dict, tok_dir: Path, args) -> dict:
             "max_len": MAX_LEN,
             "tokens_per_call": args.tokens_per_call,
             "quantize": args.quantize,
+            "fixed_shape": args.fixed_shape,
         },
         "rounds": args.rounds,
         "shipyard": {f"{c}_clients": s for c, s in by_c.items()},
@@ -447,6 +449,7 @@ def main() -> None:
     ap.add_argument(
         "--tokens-per-call", type=int, default=8, help="the server's decode steps per device call"
     )
+    ap.add_argument("--fixed-shape", action="store_true", help="serve with `--fixed-shape`")
     ap.add_argument("--quantize", choices=("int8",), default=None, help="serve int8 weights (`--quantize`)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_throughput.json"))
     ap.add_argument("--keep-log", action="store_true", help="keep the server log as OUT.server.log")

@@ -128,3 +128,20 @@ def test_refusals_and_buckets():
     with pytest.raises(ValueError, match="max_len"):
         Engine(noisy_params(cfg, key=0, seed=0, scale=0.1), cfg, max_len=cfg.max_seq_len + 1)
     assert [prompt_bucket(n, 100) for n in (1, 16, 17, 33, 90)] == [16, 16, 32, 64, 100]
+
+
+def test_fixed_shape_compiles_one_decode_program_and_changes_no_output():
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=3, seed=2, scale=0.2)
+    prompts = _prompts(cfg.vocab_size)[:6]
+    sampling = [Sampling(max_tokens=n) for n in NEW[:6]]
+    engine = Engine(params, cfg, max_batch=4, max_len=128, fixed_shape=True)
+    assert engine.shapes() == [(4, 128)]
+    engine.start()
+    try:
+        together = _run(engine, prompts, sampling)
+        alone = [_run(engine, [p], [s])[0] for p, s in zip(prompts, sampling)]
+    finally:
+        engine.stop()
+    assert together == alone
+    assert engine._decode._cache_size() == 1

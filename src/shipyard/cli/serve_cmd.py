@@ -33,6 +33,7 @@ def _cmd_serve(args) -> int:
         quantize=args.quantize,
         kv_dtype=args.kv_dtype,
         tokens_per_call=args.tokens_per_call,
+        fixed_shape=args.fixed_shape,
     )
     key = "required (Bearer)" if args.api_key else "none (anyone who can reach the port may use it)"
     print(
@@ -72,6 +73,12 @@ def register(sub) -> None:
         help="cache slots per row: prompt + reply (default: the model's context)",
     )
     sv.add_argument("--tokens-per-call", type=int, default=8, help="decode steps per device call")
+    sv.add_argument(
+        "--fixed-shape",
+        action="store_true",
+        help="decode every call over all --max-batch rows and --max-len slots: greedy output bitwise "
+        "independent of other requests (default: calls sized to the busy rows, faster for few)",
+    )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
     sv.add_argument(
         "--template",

@@ -5,15 +5,22 @@ slots. A new request is prefilled alone (its prompt left-padded to a length
 bucket, so few prefill shapes compile) and its cache row is written into a
 free slot of the batch cache; from the next decode call on, it decodes with
 the others. Each row keeps its own cache position, RoPE offset, sampling
-settings and PRNG key on the device, so a row computes exactly what it would
-alone: batching does not change greedy results, and a seeded sampled reply
-does not depend on what else is running. A finished (or cancelled) request
+settings and PRNG key on the device, so a row computes what it would alone
+(the same math; see below for the rounding), and a seeded sampled reply does
+not depend on what else is running. A finished (or cancelled) request
 frees its slot at once; its stale cache row is simply overwritten by the
 next request admitted there.
 
-The decode step has one shape (all `max_batch` rows, whether busy or not)
-and compiles once. A decode call runs `tokens_per_call` steps on the device;
-the host reads one call's tokens while the next call is already running.
+A decode call covers the lowest rows up to the highest busy one and the
+cache slots up to the furthest position a busy row reaches, rounded up to a
+few compiled sizes (1, 4, 16.. rows; 64, 256, 1024.. slots), all compiled
+before serving: a lone short request does not pay for a wide, long cache.
+Different sizes are different programs, so float rounding may differ between
+them; `fixed_shape` keeps one shape (all rows, all slots) for outputs that are
+bitwise independent of the other requests.
+
+A decode call runs `tokens_per_call` steps on the device; the host reads one
+call's tokens while the next call is already running.
 
 Threads: `Engine.start` runs the loop in a daemon thread that is the only
 user of the device state. `submit` (any thread) queues a `Request`; its
@@ -270,6 +277,7 @@ class Engine:
         max_len: int | None = None,
         kv_dtype=None,
         tokens_per_call: int = 8,
+        fixed_shape: bool = False,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -277,6 +285,11 @@ class Engine:
         if max_batch < 1 or tokens_per_call < 1:
             raise ValueError("max_batch and tokens_per_call must be at least 1")
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
+        self.fixed_shape = fixed_shape
+        """Every decode call covers all rows and slots: one compiled shape, so a row's arithmetic (and
+        its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster
+        for few or short requests, but a different row count or span is a different program whose
+        float rounding may differ: a near-tie can then go the other way."""
         self.params = jax.tree.map(jnp.asarray, params)
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
         if cpu_decode.supported(self.params, cfg):
@@ -353,6 +366,8 @@ class Engine:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, cache slots) a decode call may cover (`shape`)."""
+        if self.fixed_shape:
+            return [(self.max_batch, self.max_len)]
         return [(r, s) for r in _sizes(1, self.max_batch) for s in _sizes(64, self.max_len)]
 
     def compile(self, on_shape: Callable[[], None] | None = None) -> None:
@@ -430,6 +445,8 @@ class Engine:
     def shape(self) -> tuple[int, int]:
         """(rows, cache slots) the next decode call covers: the smallest of `shapes` covering the highest
         busy slot and the furthest position a busy row reaches in the call."""
+        if self.fixed_shape:
+            return self.max_batch, self.max_len
         busy = [b for b, r in enumerate(self._slots) if r is not None]
         reach = max(self._pos[b] for b in busy) + self.tokens_per_call
         n_rows = next(r for r in _sizes(1, self.max_batch) if r > max(busy))

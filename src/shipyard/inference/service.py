@@ -35,6 +35,7 @@ def load_service(
     quantize: str | None = None,
     kv_dtype: str | None = None,
     tokens_per_call: int = 8,
+    fixed_shape: bool = False,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
@@ -69,6 +70,7 @@ def load_service(
         max_len=max_len,
         kv_dtype=kv_dtype,
         tokens_per_call=tokens_per_call,
+        fixed_shape=fixed_shape,
     )
     # every decode shape and prefill bucket now, not in the middle of someone's stream
     with progress(desc="serve: compiling", unit="program", total=engine.compilations()) as bar:
