@@ -55,3 +55,15 @@ def write_jsonl(path: Path, texts: list[str], ids: list[str] | None = None) -> P
                 record["id"] = ids[i]
             f.write(json.dumps(record) + "\n")
     return path
+
+
+# Contexts end without a space and choices start with one (the usual lm-eval split); ASCII, so lm-eval's
+# acc_norm (divided by characters) and shipyard's (divided by UTF-8 bytes) use the same lengths.
+MC_ROWS = [
+    {"context": "Kabel lodor mifin", "choices": [" pegat.", " zumon tolis ravix kabel.", " x"], "label": 1},
+    {"context": "Simon", "choices": [" rasen", " tovel"], "label": 0},
+    {"context": "Mibel kamon kalis", "choices": [" kafin.", " lobel tovhum.", " ra", " sigat"], "label": 3},
+    {"context": "Nujek pelis, rabel", "choices": [" tosen mipat.", " zurud"], "label": 1},
+    {"context": "Verud sitov kahum lomon nufin", "choices": [" pejek.", " rawix sibel."], "label": 0},
+    {"context": "Zugat", "choices": [" kadordor", " ve", " lohum nulis."], "label": 2},
+]

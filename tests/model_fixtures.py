@@ -24,3 +24,21 @@ def noisy_params(cfg, key: int, seed: int, scale: float):
         return (x + scale * rng.standard_normal(spec.shape)).astype(np.float32)
 
     return jax.tree.map(draw, param_specs(cfg), is_leaf=is_spec)
+
+
+def save_run(run_dir, cfg, params) -> None:
+    """A run directory shipyard can load: config.yaml and checkpoint 1 holding `params`."""
+    import jax.numpy as jnp
+
+    from shipyard.config import to_yaml
+    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.train.optim import build_optimizer
+    from shipyard.train.step import init_state
+
+    optimizer = build_optimizer(cfg.train, param_specs(cfg.model))
+    state = init_state(cfg, jax.tree.map(jnp.asarray, params), optimizer)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
+    ckpt.save(1, state, wait=True)
+    ckpt.close()

@@ -17,36 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from data_fixtures import prose, write_jsonl
+from model_fixtures import noisy_params, save_run
 
-from shipyard.config import load_config, to_yaml
+from shipyard.config import load_config
 from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig
 from shipyard.data.tokenize import run_tokenize
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train
-from shipyard.model.transformer import logits, param_specs
+from shipyard.model.transformer import logits
 
 VOCAB = 400
 CONTEXT = 256
 
 
-def save_run(run_dir: Path, cfg, params) -> None:
-    """A run directory shipyard can load: config.yaml and checkpoint 1 holding `params`."""
-    from shipyard.train.checkpoint import Checkpointer
-    from shipyard.train.optim import build_optimizer
-    from shipyard.train.step import init_state
-
-    optimizer = build_optimizer(cfg.train, param_specs(cfg.model))
-    state = init_state(cfg, jax.tree.map(jnp.asarray, params), optimizer)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
-    ckpt.save(1, state, wait=True)
-    ckpt.close()
-
-
 def trained_run(d: Path, steps: int = 120) -> Path:
     """The tiny model fitted for `steps` Adam steps to pseudo-word prose, with a BPE tokenizer carrying
     shipyard's chat tokens: a real (if small) language model whose greedy choices are clear-cut."""
-    from model_fixtures import noisy_params
 
     docs = write_jsonl(d / "docs.jsonl", [prose(s) for s in range(40)])
     run_tokenizer_train([str(docs)], d / "tok", TokenizerTrainConfig(vocab_size=VOCAB), ReadConfig())
@@ -82,7 +67,6 @@ def trained_run(d: Path, steps: int = 120) -> Path:
 def slow_run(d: Path, shards: Path) -> Path:
     """A random model of the `small` preset's shape (decode steps of milliseconds, not microseconds) with
     the tokenizer of `shards`: for tests that need a request to still be running when they act on it."""
-    from model_fixtures import noisy_params
 
     cfg = load_config("small", [f"data.train_tokens={shards}", f"model.vocab_size={VOCAB}"])
     save_run(d / "slow", cfg, noisy_params(cfg.model, key=1, seed=1, scale=0.02))

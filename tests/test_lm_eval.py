@@ -12,14 +12,13 @@ import os
 import subprocess
 import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from data_fixtures import prose, write_jsonl
-from model_fixtures import noisy_params
+from data_fixtures import MC_ROWS, prose, write_jsonl
+from model_fixtures import noisy_params, save_run
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file: never ask the Hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,7 +26,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from shipyard.config import load_config, to_yaml  # noqa: E402
+from shipyard.config import load_config  # noqa: E402
 from shipyard.data.configs import ReadConfig, TokenizeConfig, TokenizerTrainConfig  # noqa: E402
 from shipyard.data.tokenize import run_tokenize  # noqa: E402
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train  # noqa: E402
@@ -35,33 +34,6 @@ from shipyard.eval.loglik import loglikelihoods  # noqa: E402
 from shipyard.eval.tasks import multiple_choice  # noqa: E402
 from shipyard.inference.generate import Generator  # noqa: E402
 from shipyard.model.transformer import logits  # noqa: E402
-
-# Contexts end without a space and choices start with one (the usual lm-eval split); ASCII, so lm-eval's
-# acc_norm (divided by characters) and shipyard's (divided by UTF-8 bytes) use the same lengths.
-MC_ROWS = [
-    {"context": "Kabel lodor mifin", "choices": [" pegat.", " zumon tolis ravix kabel.", " x"], "label": 1},
-    {"context": "Simon", "choices": [" rasen", " tovel"], "label": 0},
-    {"context": "Mibel kamon kalis", "choices": [" kafin.", " lobel tovhum.", " ra", " sigat"], "label": 3},
-    {"context": "Nujek pelis, rabel", "choices": [" tosen mipat.", " zurud"], "label": 1},
-    {"context": "Verud sitov kahum lomon nufin", "choices": [" pejek.", " rawix sibel."], "label": 0},
-    {"context": "Zugat", "choices": [" kadordor", " ve", " lohum nulis."], "label": 2},
-]
-
-
-def _save_run(run_dir: Path, cfg, params) -> None:
-    """A run directory shipyard can load: config.yaml and checkpoint 1 holding `params`."""
-    from shipyard.model.transformer import param_specs
-    from shipyard.train.checkpoint import Checkpointer
-    from shipyard.train.optim import build_optimizer
-    from shipyard.train.step import init_state
-
-    optimizer = build_optimizer(cfg.train, param_specs(cfg.model))
-    state = init_state(cfg, jax.tree.map(jnp.asarray, params), optimizer)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
-    ckpt.save(1, state, wait=True)
-    ckpt.close()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +44,7 @@ def setup(tmp_path_factory):
     run_tokenize([str(docs)], d / "shards", d / "tok", TokenizeConfig(), ReadConfig(), workers=1)
     cfg = load_config("tiny", [f"data.train_tokens={d / 'shards'}", "model.vocab_size=400"])
     params = noisy_params(cfg.model, key=0, seed=0, scale=0.2)
-    _save_run(d / "run", cfg, params)
+    save_run(d / "run", cfg, params)
 
     mc = d / "mc.jsonl"
     mc.write_text("".join(json.dumps(r) + "\n" for r in MC_ROWS))

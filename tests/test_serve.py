@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from data_fixtures import MC_ROWS
 from serve_fixtures import ServerProcess, slow_run, sse_events, trained_run
 
 from shipyard.cli.main import main
@@ -297,15 +298,6 @@ def test_serve_int8_with_a_bfloat16_cache_answers_like_generate_int8(run_dir, tm
         assert s.stop() == 0
     want = _generate_cli(run_dir, PROMPTS[:4], 16, capsys, *flags)
     assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
-
-
-MC_ROWS = [
-    {"context": "Kabel lodor mifin", "choices": [" pegat.", " zumon tolis ravix kabel.", " x"], "label": 1},
-    {"context": "Simon", "choices": [" rasen", " tovel"], "label": 0},
-    {"context": "Mibel kamon kalis", "choices": [" kafin.", " lobel tovhum.", " ra", " sigat"], "label": 3},
-    {"context": "Nujek pelis, rabel", "choices": [" tosen mipat.", " zurud"], "label": 1},
-    {"context": "Verud sitov kahum lomon nufin", "choices": [" pejek.", " rawix sibel."], "label": 0},
-]
 
 
 def _mc_task(d) -> str:

@@ -58,3 +58,27 @@ def load_config_arg(source: str, overrides, what: str):
     if model_dir.kind == "run":  # starting from a run's weights is a new run, not its fine-tuning setup
         base["train"]["finetune"] = None
     return build_config(apply_overrides(base, list(overrides)))
+
+
+def add_quantize_flags(p, kv_cache: bool = True) -> None:
+    """--quantize (int8 weights, `model.quant`) and, for commands that decode, --kv-dtype."""
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: int8 weights with per-output-channel scales (attention, MLP, output head; default: as stored)",
+    )
+    if kv_cache:
+        p.add_argument(
+            "--kv-dtype",
+            choices=["float32", "bfloat16"],
+            default=None,
+            help="dtype of the KV cache (default: the embedding's, float32 for the presets)",
+        )
+
+
+def add_template_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--template: which chat template renders conversations."""
+    p.add_argument(
+        "--template", choices=["auto", "hf", "shipyard", "chatml", "llama3"], default=None, help=help
+    )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import add_model_dir
-from shipyard.cli.inference_cmd import add_quantize_flags
+from shipyard.cli.args import add_model_dir, add_quantize_flags
 from shipyard.errors import ConfigError
 
 

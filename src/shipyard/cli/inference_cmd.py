@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shipyard.cli.args import add_model_dir
+from shipyard.cli.args import add_model_dir, add_quantize_flags, add_template_flag
 from shipyard.errors import ConfigError
 
 
@@ -125,23 +125,6 @@ def _cmd_chat(args) -> int:
     return run_chat(model, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
 
 
-def add_quantize_flags(p, kv_cache: bool = True) -> None:
-    """--quantize (int8 weights, `model.quant`) and, for commands that decode, --kv-dtype."""
-    p.add_argument(
-        "--quantize",
-        choices=["int8"],
-        default=None,
-        help="int8: int8 weights with per-output-channel scales (attention, MLP, output head; default: as stored)",
-    )
-    if kv_cache:
-        p.add_argument(
-            "--kv-dtype",
-            choices=["float32", "bfloat16"],
-            default=None,
-            help="dtype of the KV cache (default: the embedding's, float32 for the presets)",
-        )
-
-
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
     ge = sub.add_parser("generate", help="complete prompts with a model (KV cache, batched)")
@@ -165,11 +148,6 @@ def register(sub) -> None:
     ch.add_argument("--top-k", type=int, default=None, help=sampling_help + "50")
     ch.add_argument("--top-p", type=float, default=None, help=sampling_help + "0.95")
     ch.add_argument("--seed", type=int, default=0)
-    ch.add_argument(
-        "--template",
-        choices=["auto", "hf", "shipyard", "chatml", "llama3"],
-        default=None,
-        help="chat template (default: the one the run trained with)",
-    )
+    add_template_flag(ch, "chat template (default: the one the run trained with)")
     add_quantize_flags(ch)
     ch.set_defaults(func=_cmd_chat)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from shipyard.cli.args import add_model_dir
-from shipyard.cli.inference_cmd import add_quantize_flags
+from shipyard.cli.args import add_model_dir, add_quantize_flags, add_template_flag
 from shipyard.errors import ConfigError
 
 
@@ -80,11 +79,6 @@ def register(sub) -> None:
         "independent of other requests (default: calls sized to the busy rows, faster for few)",
     )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
-    sv.add_argument(
-        "--template",
-        choices=["auto", "hf", "shipyard", "chatml", "llama3"],
-        default=None,
-        help="chat template (default: the one the run trained with, else the model's own)",
-    )
+    add_template_flag(sv, "chat template (default: the one the run trained with, else the model's own)")
     add_quantize_flags(sv)
     sv.set_defaults(func=_cmd_serve)
