@@ -383,14 +383,16 @@ async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator
 
     async def pump(index: int, job: _Job):
         lp = _Logprobs(job.service, body.logprobs) if body.logprobs is not None else None
-        if echoes[index]:
-            text, echo_lp = echoes[index]
-            await queue.put((index, text, echo_lp.obj if echo_lp else None, None))
-            if echo_lp is not None:
-                lp.offset = echo_lp.offset
-        async for piece, tokens, logprobs, finish in job.events():
-            await queue.put((index, piece, lp.add(tokens, logprobs) if lp else None, finish))
-        await queue.put((index, None, None, "done"))
+        try:
+            if echoes[index]:
+                text, echo_lp = echoes[index]
+                await queue.put((index, text, echo_lp.obj if echo_lp else None, None))
+                if echo_lp is not None:
+                    lp.offset = echo_lp.offset
+            async for piece, tokens, logprobs, finish in job.events():
+                await queue.put((index, piece, lp.add(tokens, logprobs) if lp else None, finish))
+        finally:  # also when the job failed: the stream below must not wait for it forever
+            await queue.put((index, None, None, "done"))
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     finishes = []
