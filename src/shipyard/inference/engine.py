@@ -46,6 +46,7 @@ from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
 from shipyard.inference.generate import decode_compiler_options, default_kv_dtype
+from shipyard.inference.sampling import filter_logits
 
 log = logging.getLogger(__name__)
 
@@ -116,23 +117,12 @@ def sample_rows(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) ->
     asks for it.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    V = logits.shape[-1]
 
     def sampled(_):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
 
-        def filtered(x):
-            ordered = -jnp.sort(-x, axis=-1)
-            k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-            kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-            probs = jax.nn.softmax(ordered, axis=-1)
-            # the smallest prefix whose mass reaches top_p (always at least the best token)
-            before = jnp.cumsum(probs, axis=-1) - probs
-            cut = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
-            return jnp.where((x < kth) | (x < cut), -jnp.inf, x)
-
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+        scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
         split = jax.vmap(jax.random.split)(key)
         picks = jax.vmap(jax.random.categorical)(split[:, 1], scaled).astype(jnp.int32)
         hot = temperature > 0
@@ -382,8 +372,7 @@ class Engine:
             jax.block_until_ready(out)
             if on_shape is not None:
                 on_shape()
-        buckets = sorted({prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len})
-        for P in buckets:
+        for P in self._prefill_buckets():
             tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
             settings = (jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
             token, _, self._rows, self._caches = self._admit(
@@ -395,9 +384,11 @@ class Engine:
 
     def compilations(self) -> int:
         """How many programs `compile` builds."""
-        return len(self.shapes()) + len(
-            {prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len}
-        )
+        return len(self.shapes()) + len(self._prefill_buckets())
+
+    def _prefill_buckets(self) -> list[int]:
+        """The padded prompt lengths `compile` prepares (a prompt that only fits unpadded compiles its own)."""
+        return sorted({prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len})
 
     def warmup(self) -> None:
         """Run one tiny request through the started engine (the smallest prefill and decode shape)."""

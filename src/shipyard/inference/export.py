@@ -29,6 +29,7 @@ import shipyard
 from shipyard.errors import ConfigError
 from shipyard.inference import artifact
 from shipyard.inference.decode import KVCache, forward_cached, init_cache
+from shipyard.inference.sampling import filter_logits
 from shipyard.output import atomic_dir, refuse_existing, write_json
 
 DECODE_CHUNK = 8
@@ -36,24 +37,6 @@ DECODE_CHUNK = 8
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 """The jax.export platform names; an artifact holds one lowering per platform it was exported for."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`generate.sample`'s top-k and top-p rules with traced settings: top_k 0 keeps every token, top_p
-    above 1 too. One descending sort serves both (masking below the k-th value keeps that order)."""
-    vocab = logits.shape[-1]
-    order = jnp.argsort(-logits, axis=-1)
-    ranked = jnp.take_along_axis(logits, order, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jax.lax.dynamic_index_in_dim(ranked, k - 1, axis=-1)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-    drop_ranked = (jnp.cumsum(probs, axis=-1) - probs) >= top_p
-    rows = jnp.arange(logits.shape[0])[:, None]
-    drop = jnp.zeros_like(drop_ranked).at[rows, order].set(drop_ranked)
-    return jnp.where(drop, -jnp.inf, logits)
 
 
 def choose(logits, key, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:

@@ -27,6 +27,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.sampling import filter_logits
 from shipyard.model import quant
 
 
@@ -37,17 +38,8 @@ def sample(
     if temperature <= 0:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-        drop_sorted = (cum - jax.nn.softmax(sorted_logits, axis=-1)) >= top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
+    if top_k is not None or top_p is not None:  # (the filter sorts the vocabulary: only when asked)
+        logits = filter_logits(logits, top_k or 0, 2.0 if top_p is None else top_p)
     return jax.random.categorical(key, logits, axis=-1)
 
 
