@@ -355,3 +355,18 @@ def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir
     assert len(remote_ll) == len(MC_ROWS)
     for r, ll in zip(remote_ll, local_ll):
         assert r == pytest.approx(ll, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tokens-per-call", "0"], "--tokens-per-call must be at least 1"),
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--max-len", "100000"], "--max-len 100000 must be in 1..256"),
+        (["--port", "70000"], "is not a TCP port"),
+    ],
+)
+def test_bad_serve_flags_are_one_line(run_dir, capsys, flags, words):
+    assert main(["serve", str(run_dir), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err

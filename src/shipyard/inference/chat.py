@@ -77,6 +77,11 @@ class ChatModel:
         return self.fmt.tok.decode(ids, skip_special_tokens=False)
 
 
+def run_template(cfg) -> str:
+    """The chat template a run trained with (`data.chat.template`), else "auto" (the model's own)."""
+    return cfg.data.chat.template if cfg.data.chat is not None else "auto"
+
+
 def chat_model(
     cfg, params, tok_dir: Path, template: str | None = None, *, quantize: str | None = None, kv_dtype=None
 ) -> ChatModel:
@@ -91,9 +96,7 @@ def chat_model(
     from shipyard.model.quant import maybe_quantize
     from shipyard.train.sft_data import chat_format_for
 
-    if template is None:
-        template = cfg.data.chat.template if cfg.data.chat is not None else "auto"
-    fmt = chat_format_for(tok_dir, template)
+    fmt = chat_format_for(tok_dir, template or run_template(cfg))
     params = maybe_quantize(jax.tree.map(jnp.asarray, params), cfg.model, quantize)
     return ChatModel(cfg, Generator(params, cfg.model, kv_dtype=kv_dtype), fmt)
 

@@ -39,6 +39,7 @@ def load_service(
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
+    from shipyard.inference.chat import run_template
     from shipyard.model.quant import maybe_quantize
     from shipyard.runs import open_model_dir
     from shipyard.train.sft_data import chat_format_for
@@ -51,14 +52,13 @@ def load_service(
         raise ConfigError(f"serve: --max-len {max_len} must be in 1..{context} (the model's context)")
     if max_batch < 1:
         raise ConfigError(f"serve: --max-batch must be at least 1, got {max_batch}")
+    if tokens_per_call < 1:
+        raise ConfigError(f"serve: --tokens-per-call must be at least 1, got {tokens_per_call}")
     tok = load_tokenizer(tok_dir)
     ids = special_token_ids(tok_dir, tok)
     chat, missing = None, ""
-    if template is None:
-        cfg_chat = model_dir.config.data.chat
-        template = cfg_chat.template if cfg_chat is not None else "auto"
     try:
-        chat = chat_format_for(tok_dir, template)
+        chat = chat_format_for(tok_dir, template or run_template(model_dir.config))
     except DataError as e:
         missing = str(e)
     cfg, _, params = model_dir.load(step, what="serve")
