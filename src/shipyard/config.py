@@ -211,6 +211,10 @@ class DataConfig(Schema):
     """Attention does not cross an EOS inside a packed sequence (segment ids from the EOS positions)."""
     eos_id: int | None = Field(None, ge=0)
     """EOS token id for document_masking; null takes it from the token shards' manifest (required for a .npy)."""
+    seed: int | None = None
+    """Seed of the data order only (shuffle, mixture, chat packing); null uses train.seed, so runs from before this field keep their batches and hashes. Set it to reshuffle the data with the same initialisation."""
+    verify: bool = True
+    """Check each token shard's sha256 against its manifest before training (hashed once per shard, then remembered per user until the file changes); false skips the hashes (byte sizes are always checked) and is recorded in provenance.json."""
     chat: ChatDataConfig | None = None
     """Chat conversations (SFT) instead of token shards: loss on assistant tokens only; set train_tokens and mixture to null."""
 
@@ -375,7 +379,7 @@ class TrainConfig(Schema):
     microbatches: int = Field(1, gt=0)
     """Split each step's batch into this many sequential microbatches (gradient accumulation)."""
     seed: int = 0
-    """Seed for parameter initialisation and batch sampling."""
+    """Seed for parameter initialisation and dropout, and for the data order unless data.seed is set."""
     z_loss: float = Field(0.0, ge=0)
     """Coefficient of the z-loss (logsumexp squared) that keeps output logits small; 0 disables it."""
     max_consecutive_nonfinite: int = Field(5, gt=0)
@@ -486,6 +490,10 @@ class Config(Schema):
     """Device mesh."""
     distributed: DistributedConfig = DistributedConfig()
     """Multi-process cluster membership."""
+
+    def data_seed(self) -> int:
+        """The seed of the data order: data.seed, or train.seed when it is null (the order before data.seed existed)."""
+        return self.train.seed if self.data.seed is None else self.data.seed
 
     @model_validator(mode="after")
     def _check_eval(self) -> Config:

@@ -59,7 +59,7 @@ def load_chat_data(cfg: Config) -> dict:
                 raise DataError(f"data.chat: {path} conversation {n}: {e}") from e
         return pack(rendered, seq_len, pad, seed, chat.pack)
 
-    train = packed(chat.train, cfg.train.seed)
+    train = packed(chat.train, cfg.data_seed())
     validation = packed(chat.validation, None) if chat.validation is not None else None
     inputs = {"chat_train": {"path": str(chat.train), "sha256": file_sha256(chat.train)}}
     if chat.validation is not None:
@@ -75,7 +75,7 @@ def load_chat_data(cfg: Config) -> dict:
         + (f"; {train.dropped} left out (longer than the row or no reply)" if train.dropped else "")
     )
     return {
-        "loader": ChatBatchLoader(train, cfg.train.global_batch_size, cfg.train.seed),
+        "loader": ChatBatchLoader(train, cfg.train.global_batch_size, cfg.data_seed()),
         "validation": validation,
         "tokenizer": tok_path,
         "inputs": inputs,

@@ -107,7 +107,7 @@ def load_data(cfg: Config, say: Say) -> TrainData:
         )
     seq_len = cfg.data.seq_len
     loader = build_loader(
-        paths, weights, cfg.train.seed, cfg.train.global_batch_size, seq_len, cfg.model.vocab_size
+        paths, weights, cfg.data_seed(), cfg.train.global_batch_size, seq_len, cfg.model.vocab_size
     )
     eos_id = document_eos_id(cfg, loader.eos_id)
     val = None
