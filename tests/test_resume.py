@@ -88,25 +88,54 @@ def test_restore_onto_other_device_counts(tmp_path):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_resume_refuses_another_model_and_keeps_the_checkpoints(tmp_path, byte_tokens, capsys):
+def _files(directory):
+    """{file: (size, mtime)} under `directory`: any write shows."""
+    return {
+        p.relative_to(directory).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_resume_refuses_what_would_not_continue_the_run(tmp_path, byte_tokens, capsys):
+    """--resume refuses another model, batch size, sequence length, seed or training data: one line
+    naming the field, exit 4, nothing in the run directory touched; raising train.steps (with the
+    data moved to another path, data.seed set to the seed in effect) continues the run."""
+    run = tmp_path / "r"
     base = [
         "train",
         "tiny",
         f"data.train_tokens={byte_tokens}",
         "train.steps=10",
         "--run-dir",
-        str(tmp_path / "r"),
+        str(run),
         *RUN,
     ]
     assert main(base) == 0
-    before = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    before = _files(run)
+    other = tmp_path / "other.npy"  # the same tokens in another order: another data source
+    np.save(other, np.ascontiguousarray(np.load(byte_tokens)[::-1]))
+    refused = {
+        "model.hidden_size=128": "(model.hidden_size: 64 there, 128 in this config)",
+        "train.global_batch_size=16": "train.global_batch_size: 8, this config has 16",
+        "data.seq_len=64": "data.seq_len: 128, this config has 64",
+        "train.seed=1": "train.seed: 0, this config has 1",
+        "data.seed=1": "the data seed (data.seed, or train.seed when null): 0, this config has 1",
+        f"data.train_tokens={other}": f"train_tokens ({other}) is not the data the run",
+    }
     capsys.readouterr()
-    assert main([*base, "--resume", "model.hidden_size=128"]) == 4
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.hidden_size: 64 there, 128 in this config" in err
-    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == before
+    for override, says in refused.items():
+        assert main([*base, "--resume", override]) == 4, override
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --resume") and says in err, (override, err)
+        assert _files(run) == before, f"{override}: the refused resume wrote into the run directory"
     # without --resume an existing run is refused, and the message says how to continue it
     assert main(base) == 4 and "--resume" in capsys.readouterr().err
+    moved = tmp_path / "moved.npy"
+    moved.write_bytes(byte_tokens.read_bytes())
+    argv = [*base, "--resume", "train.steps=12", "data.seed=0", f"data.train_tokens={moved}"]
+    assert main(argv) == 0 and "resumed from checkpoint 10" in capsys.readouterr().out
+    assert sorted(_losses(run)) == list(range(12)) and (run / "checkpoints" / "12").is_dir()
 
 
 def test_in_loop_validation_loss_is_logged(tmp_path, byte_tokens):
@@ -158,8 +187,78 @@ def straight(tmp_path_factory, byte_tokens):
     return run
 
 
+TWICE = "SIGINT twice"
+"""Ctrl-C, then Ctrl-C again once the run has said it is saving (while it finishes the step and saves)."""
+SIGNALS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, TWICE]
+
+
+def _interrupt(proc, sig) -> str:
+    """Send `sig` (or TWICE) to the run; its whole output."""
+    if sig != TWICE:
+        proc.send_signal(sig)
+        return proc.communicate(timeout=120)[0]
+    proc.send_signal(signal.SIGINT)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "SIGINT received: saving a checkpoint" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    return "".join(seen) + proc.communicate(timeout=120)[0]
+
+
+def _check_stop(proc, sig, out: str, run) -> None:
+    """What each signal promises: SIGTERM / SIGINT save a checkpoint and exit 0 saying how to resume;
+    a second Ctrl-C stops at once with 130 and saves nothing."""
+    if sig == TWICE:
+        assert proc.returncode == 130 and "SIGINT again: stopped at once without saving" in out, out
+        assert "saved checkpoint" not in out, out
+    elif sig != signal.SIGKILL:
+        name = signal.Signals(sig).name
+        assert proc.returncode == 0 and f"{name} received: saved checkpoint" in out, out
+        assert "continue with the same command plus --resume" in out, out
+        saved = int(out.split("saved checkpoint ")[1].split()[0])
+        assert (run / "checkpoints" / f"{saved}.sha256.json").is_file(), (
+            "the stop's checkpoint was not finished"
+        )
+
+
+_SECOND_CTRL_C = """
+import signal, threading, time
+from shipyard.train.loop import StopSignal
+
+def ctrl_c(stop):
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    deadline = time.time() + 10
+    while stop.received is None and time.time() < deadline:
+        time.sleep(0.01)
+
+with StopSignal() as stop:
+    ctrl_c(stop)
+    print("first Ctrl-C asked to stop:", signal.Signals(stop.received).name, flush=True)
+    ctrl_c(stop)
+    time.sleep(10)
+    print("still running after the second Ctrl-C", flush=True)
+"""
+
+
+def test_second_ctrl_c_stops_at_once_with_130():
+    """The loop's stop signal: a first SIGINT asks for a stop (and says so), a second one ends the
+    process at once, exit 130, without unwinding into the cleanup that waits for saves."""
+    env = dict(os.environ, XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SECOND_CTRL_C], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "first Ctrl-C asked to stop: SIGINT\n", proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line]
+    assert said[0].startswith("shipyard: SIGINT received: saving a checkpoint") and "Ctrl-C again" in said[0]
+    assert said[1].startswith("shipyard: SIGINT again: stopped at once without saving"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGKILL", "SIGTERM", "SIGINT", "SIGINT-twice"])
 def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, straight, sig):
     run = tmp_path / "run"
     proc = _cli(run, byte_tokens)
@@ -169,15 +268,14 @@ def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, st
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be interrupted"
     time.sleep(random.Random(sig).uniform(0.0, 0.6))  # anywhere after the first checkpoint, saves included
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
-    if sig == signal.SIGTERM:
-        assert proc.returncode == 0 and "SIGTERM received: saved checkpoint" in out, out
+    out = _interrupt(proc, sig)
+    _check_stop(proc, sig, out, run)
     interrupted_at = max(_losses(run)) if (run / "metrics.jsonl").exists() else -1
     assert interrupted_at < 39, "interrupted too late to test resume"
     proc = _cli(run, byte_tokens, "--resume")
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "resumed from checkpoint" in out, out
+    # resumed from a complete checkpoint: none was taken for one and then found unusable
+    assert proc.returncode == 0 and "resumed from checkpoint" in out and "unusable" not in out, out
     a, b = _losses(straight), _losses(run)
     assert sorted(b) == list(range(40)) and all(a[s] == b[s] for s in range(40))  # bitwise: float equality
     for x, y in zip(_final_params(straight), _final_params(run)):

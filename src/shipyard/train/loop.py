@@ -3,6 +3,7 @@ metrics.jsonl, divergence), in-loop evaluation, the profiler window and the stop
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -19,6 +20,9 @@ from shipyard.errors import TrainingDiverged
 from shipyard.train.checkpoint import Checkpointer
 from shipyard.train.metrics import MetricsWriter
 from shipyard.train.program import TrainProgram
+
+INTERRUPTED_EXIT = 130
+"""Exit status of a run stopped by a second Ctrl-C (128 + SIGINT, what shells report for it)."""
 
 
 def say_on(main: bool, message: str) -> None:
@@ -183,10 +187,24 @@ class ProfileWindow:
 
 
 class StopSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint at the next step boundary and exit cleanly."""
+    """SIGTERM / SIGINT ask the loop to checkpoint at the next step boundary and exit cleanly (exit 0).
 
-    def __init__(self):
+    A second SIGINT (Ctrl-C again) stops the process at once with exit 130,
+    without waiting for the step, the checkpoint being written or any other
+    thread. That is os._exit, not KeyboardInterrupt: an exception would unwind
+    through the trainer's cleanup, which waits for the save in flight (not "at
+    once"), and could land inside Orbax's own code. Exiting is as safe for the
+    files as a SIGKILL: Orbax renames a checkpoint into place only once it is
+    complete, so an abandoned save is never taken as one, and --resume
+    continues from the newest complete checkpoint (tests/test_resume.py).
+    The lines are written with os.write: a handler may run while the main
+    thread is inside print().
+    """
+
+    def __init__(self, directory: Path | None = None):
         self.received: int | None = None
+        self.directory = directory
+        self.main = jax.process_index() == 0  # the lines are for process 0's console only
         self._previous: dict = {}
 
     def __enter__(self):
@@ -196,9 +214,22 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame):
+        where = f" in {self.directory}" if self.directory is not None else ""
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self._say(
+                "shipyard: SIGINT again: stopped at once without saving; --resume continues from the "
+                f"newest complete checkpoint{where}"
+            )
+            os._exit(INTERRUPTED_EXIT)
+        if self.received is None:
+            again = " (Ctrl-C again: stop at once without it)" if signum == signal.SIGINT else ""
+            name = signal.Signals(signum).name
+            self._say(f"shipyard: {name} received: saving a checkpoint after this step, then stopping{again}")
         self.received = signum
+
+    def _say(self, line: str) -> None:
+        if self.main:  # on a new line: a progress bar may be drawn on the current one
+            os.write(2, f"\n{line}\n".encode())
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -222,7 +253,7 @@ class LoopParts:
 def run_loop(parts: LoopParts, state, start: int, steps: int) -> tuple[int, str] | None:
     """Steps start..steps-1; returns (step saved, signal name) when a stop signal ended it early."""
     pending: tuple | None = None
-    with StopSignal() as stop:
+    with StopSignal(parts.checkpointer.directory) as stop:
         for step in range(start, steps):
             batch = parts.batches.get(step)
             parts.profile.before(step)

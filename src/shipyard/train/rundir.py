@@ -44,8 +44,26 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
         raise RunDirError(f"run directory {run_dir}: cannot prepare it ({e.strerror})") from e
 
 
-def check_resumable(run_dir: Path, cfg: Config) -> None:
-    """Refuse to resume a run whose saved model differs from `cfg.model`, naming the first difference."""
+def check_resumable(run_dir: Path, cfg: Config, inputs: dict[str, dict]) -> None:
+    """Refuse to resume a run that `cfg` would not continue, naming the first field that differs.
+
+    Refused (one line, RunDirError; the checkpoints are not touched):
+    - the model (`model.*`), what trains and from what (`train.finetune`,
+      `train.init_from`) and `train.optimizer.name`: they decide the
+      checkpoint's structure and the frozen params;
+    - what decides the batch of step s (DESIGN "Determinism"):
+      `train.global_batch_size`, `data.seq_len`, the data-order seed
+      (`data.seed`, or `train.seed` when null), the mixture weights and the
+      training data itself, compared by the sha256 that provenance.json
+      recorded for each source (`inputs`: `run_inputs`' names and hashes),
+      so data moved to another path still resumes; `train.seed` too, since
+      it seeds dropout and the resumed config.yaml must describe the run.
+    Accepted, as legitimate ways to continue a run: `train.steps` (extend
+    it), the schedule and optimizer hyperparameters, `train.microbatches`
+    (the same global batch in smaller pieces, e.g. on fewer devices), the
+    mesh (restore works on any device count), checkpointing, logging and
+    evaluation settings, `data.validation_tokens`, `data.document_masking`.
+    """
     import yaml
 
     saved = run_dir / "config.yaml"
@@ -61,15 +79,85 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
                 f"{old_model.get(key)!r} there, {new_model[key]!r} in this config); use the run's config, "
                 "or train this one in a new run directory"
             )
+    old_train, old_data = old.get("train") or {}, old.get("data") or {}
+    new_train = cfg.train.model_dump(mode="json")
     # What trains and what it starts from decide the checkpoint's structure and the frozen params.
-    old_train = old.get("train") or {}
-    for key in ("finetune", "init_from"):
-        mine = getattr(cfg.train, key)
-        mine = mine.model_dump(mode="json") if hasattr(mine, "model_dump") else mine
-        if old_train.get(key) != mine:
+    fields = [(f"train.{k}", old_train.get(k), new_train[k]) for k in ("finetune", "init_from")]
+    fields.append(
+        (
+            "train.optimizer.name",
+            (old_train.get("optimizer") or {}).get("name", "adamw"),
+            cfg.train.optimizer.name,
+        )
+    )
+    fields += _data_order_fields(old_train, old_data, cfg)
+    for name, was, now in fields:
+        if was != now:
             raise RunDirError(
-                f"--resume: the run in {run_dir} was trained with train.{key}={old_train.get(key)!r}, this config "
-                f"has {mine!r}; resume with the run's own setting, or start a new run directory"
+                f"--resume: the run in {run_dir} was trained with {name}: {was!r}, this config has {now!r}; "
+                "resume with the run's own setting, or start a new run directory"
+            )
+    _check_same_data(run_dir, cfg, old_data, inputs)
+
+
+def _data_order_fields(old_train: dict, old_data: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(field, saved value, value in cfg) of what decides the batch of step s, besides the data's content."""
+    old_seed = old_data.get("seed")
+    old_seed = old_train.get("seed", 0) if old_seed is None else old_seed
+    old_chat, new_chat = old_data.get("chat") or {}, cfg.data.chat
+    return [
+        ("train.global_batch_size", old_train.get("global_batch_size"), cfg.train.global_batch_size),
+        ("data.seq_len", old_data.get("seq_len"), cfg.data.seq_len),
+        ("train.seed", old_train.get("seed", 0), cfg.train.seed),
+        # Compared as the seed in effect: data.seed null and data.seed = train.seed give the same order.
+        ("the data seed (data.seed, or train.seed when null)", old_seed, cfg.data_seed()),
+        (
+            "data.mixture weights",
+            [c.get("weight") for c in old_data.get("mixture") or ()],
+            [c.weight for c in cfg.data.mixture],
+        ),
+        ("data.chat.template", old_chat.get("template"), new_chat.template if new_chat else None),
+        ("data.chat.pack", old_chat.get("pack"), new_chat.pack if new_chat else None),
+    ]
+
+
+def _source_paths(data: dict) -> list:
+    """The training sources named in a dumped DataConfig."""
+    chat = data.get("chat") or {}
+    return [data.get("train_tokens"), *(c.get("path") for c in data.get("mixture") or ()), chat.get("train")]
+
+
+def _check_same_data(run_dir: Path, cfg: Config, old_data: dict, inputs: dict[str, dict]) -> None:
+    """Refuse training data other than the run's: by the sha256s in provenance.json, else by the paths."""
+
+    def training(recorded: dict) -> dict[str, str | None]:
+        # held-out data is not part of the batches: it may change
+        return {k: (v or {}).get("sha256") for k, v in recorded.items() if "validation" not in k}
+
+    try:
+        old_inputs = json.loads((run_dir / "provenance.json").read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        old_inputs = None
+    if not isinstance(old_inputs, dict):  # no record of the run's data: its paths must be the same
+        old_paths, new_paths = _source_paths(old_data), _source_paths(cfg.data.model_dump(mode="json"))
+        if old_paths != new_paths:
+            raise RunDirError(
+                f"--resume: the run in {run_dir} was trained on {old_paths}, this config reads {new_paths} (and "
+                "provenance.json does not record the run's data); resume with the run's data, or start a new run directory"
+            )
+        return
+    was, now = training(old_inputs), training(inputs)
+    if sorted(was) != sorted(now):
+        raise RunDirError(
+            f"--resume: the run in {run_dir} was trained on {', '.join(sorted(was))}, this config on "
+            f"{', '.join(sorted(now))}; resume with the run's data sources, or start a new run directory"
+        )
+    for name in sorted(was):
+        if was[name] != now[name]:
+            raise RunDirError(
+                f"--resume: {name} ({inputs[name].get('path')}) is not the data the run in {run_dir} was trained "
+                f"on (sha256 {str(was[name])[:12]}... there, {str(now[name])[:12]}... now), so the batches after the "
+                "checkpoint would not continue the run; resume with the run's data, or start a new run directory"
             )
 
 

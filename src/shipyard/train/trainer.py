@@ -131,14 +131,14 @@ def open_run_dir(
     cfg: Config, run_dir: Path, data: TrainData, resume: bool, overwrite: bool, main: bool, say: Say
 ) -> bool:
     """Check a run to resume, or prepare a fresh run directory and write its header; True when resuming."""
+    inputs = run_inputs(cfg, data)
     if resume and available_steps(checkpoint_dir(run_dir)):
-        check_resumable(run_dir, cfg)
+        check_resumable(run_dir, cfg, inputs)
         return True
     if resume and (run_dir / "config.yaml").exists():
         say(f"shipyard: --resume: no complete checkpoint in {run_dir}; starting the run from step 0")
     if main:
         prepare_run_dir(run_dir, overwrite or resume)
-    inputs = run_inputs(cfg, data)
     if main:
         write_run_header(run_dir, cfg, inputs)
         if (
