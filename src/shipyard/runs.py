@@ -134,7 +134,7 @@ class ModelDir:
             params = load_init_params(self.path, full, param_shardings(full, mesh, rules))
         else:
             partition = Partition(cfg.model, cfg.train.finetune)
-            params = self._restore(step, partition.trainable_specs(), mesh, rules)
+            params = self._restore(step, partition.trainable_specs(), mesh, rules, what)
             if partition.kind != "full":
                 base = base_params(cfg, full, param_shardings(full, mesh, rules))
                 params = jax.jit(partition.merged_for_export)(params, partition.frozen(base))
@@ -155,15 +155,62 @@ class ModelDir:
                 "use `shipyard export hf` for its full weights"
             )
         step = self.step(step, what)
-        adapters = self._restore(step, partition.trainable_specs())
+        adapters = self._restore(step, partition.trainable_specs(), what=what)
         return Weights(self.config, step, jax.tree.map(np.asarray, adapters))
 
-    def _restore(self, step: int, specs, mesh=None, rules=None):
+    def verify(self, step: int, what: str = "load") -> None:
+        """Refuse checkpoint `step` of a run when a file no longer matches its sha256 sidecar, in one
+        line naming the file and the newest other checkpoint that verifies (no silent fallback: the
+        user asked for this one). A checkpoint whose sidecar is not written yet is read as it is, as
+        `--resume` does (train/checkpoint.py: verify_checksums says why)."""
+        from shipyard.train.checkpoint import checkpoint_dir, verify_checksums
+
+        directory = checkpoint_dir(self.path)
+        problem = verify_checksums(directory, step)
+        if problem is not None:
+            raise RunDirError(
+                f"{what}: checkpoint {step} of {self.path} is unusable: {problem}; "
+                f"{self._alternative(directory, step, what)}"
+            )
+
+    def _alternative(self, directory: Path, bad: int, what: str) -> str:
+        """Which other checkpoint to use instead, said the way `what` picks one (hashes newest first
+        and stops at the first that verifies)."""
+        from shipyard.train.checkpoint import verify_checksums
+
+        others = [s for s in self.steps if s != bad]
+        good = next((s for s in others if verify_checksums(directory, s) is None), None)
+        if good is None:
+            if not others:
+                return "it is the run's only checkpoint"
+            return f"no other checkpoint verifies either ({', '.join(map(str, others))}): the run has no usable checkpoint"
+        if what == "train.init_from":
+            return (
+                f"checkpoint {good} verifies (train.init_from reads the newest: move checkpoint {bad} aside)"
+            )
+        if what == "lm-eval":
+            return f"checkpoint {good} verifies: pass step={good} in --model_args"
+        if what == "digest":
+            return f"checkpoint {good} verifies; rerun the step (--force) to train it again"
+        return f"checkpoint {good} verifies: pass --step {good}"
+
+    def _restore(self, step: int, specs, mesh=None, rules=None, what: str = "load"):
+        from shipyard.errors import ShipyardError
         from shipyard.model.params import abstract_params, param_shardings
         from shipyard.train.checkpoint import checkpoint_dir, restore_params
 
+        self.verify(step, what)
         shardings = None if mesh is None else param_shardings(specs, mesh, rules)
-        return restore_params(checkpoint_dir(self.path), step, abstract_params(specs, shardings))
+        try:
+            return restore_params(checkpoint_dir(self.path), step, abstract_params(specs, shardings))
+        except ShipyardError:
+            raise
+        except Exception as e:  # orbax/tensorstore raise many types for unreadable data (no sidecar yet)
+            raise RunDirError(
+                f"{what}: checkpoint {step} of {self.path} does not load "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                f"{self._alternative(checkpoint_dir(self.path), step, what)}"
+            ) from e
 
 
 _LABELS = {"import": "an `import hf` output", "hf": "a Hugging Face model directory"}
@@ -314,6 +361,48 @@ def base_params(cfg: Config, specs, shardings):
     if cfg.train.init_from is not None:
         return load_init_params(cfg.train.init_from, specs, shardings)
     return init_params(specs, jax.random.key(cfg.train.seed), shardings)
+
+
+def check_init_from(cfg: Config) -> None:
+    """What train.init_from names, checked before a run writes anything (its params are read
+    later): it exists, a model directory there holds a model of this shape, and the checkpoints it
+    will be read from verify (the run it names, that run's own base, and so on; imports and HF
+    directories carry no checksums)."""
+    if cfg.train.init_from is None:
+        return
+    path = Path(cfg.train.init_from).absolute()
+    if not path.is_dir():
+        raise ConfigError(
+            f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
+        )
+    if (path / "config.yaml").is_file() or (path / "config.json").is_file():
+        _same_model(open_model_dir(path, "train.init_from").config, cfg, path)
+    seen: set[Path] = set()
+    while (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() and path not in seen:
+        seen.add(path)
+        model_dir = open_model_dir(path, "train.init_from")
+        model_dir.verify(model_dir.steps[0], "train.init_from")
+        if model_dir.config.train.init_from is None:
+            return
+        path = Path(model_dir.config.train.init_from).absolute()
+
+
+def _same_model(theirs: Config, ours: Config, path: Path) -> None:
+    import jax
+
+    from shipyard.model.params import is_spec
+    from shipyard.model.transformer import param_specs
+
+    def shapes(c: Config) -> dict:
+        leaves = jax.tree_util.tree_flatten_with_path(param_specs(c.model), is_leaf=is_spec)[0]
+        return {jax.tree_util.keystr(p): tuple(s.shape) for p, s in leaves}
+
+    got, want = shapes(theirs), shapes(ours)
+    if got != want:
+        raise ConfigError(
+            f"train.init_from: {path} holds a different model (e.g. embed {got.get('.embed')}, "
+            f"expected {want.get('.embed')}); use the base model's config"
+        )
 
 
 def _same_shapes(params, shapes: dict, what: str):

@@ -30,14 +30,18 @@ from shipyard.errors import DataError
 
 
 class SequenceSource:
-    """Random access to the (L+1)-token sequences of one token-shard directory or .npy file."""
+    """Random access to the (L+1)-token sequences of one token-shard directory or .npy file.
 
-    def __init__(self, path: str | Path, seq_len: int, vocab_size: int):
+    A shard directory is checked against its manifest when opened: sizes always, sha256 with
+    `verify` (data.verify; cached per user, see data/shards.py: open_shards). A .npy has no
+    recorded hash to check against (data/tokens.py validates its dtype and ids)."""
+
+    def __init__(self, path: str | Path, seq_len: int, vocab_size: int, verify: bool = True):
         path = Path(path)
         self.path, self.seq_len = path, seq_len
         self.eos_id: int | None = None
         if path.is_dir():  # a token-shard directory; open_shards reports a missing manifest
-            manifest, self.arrays = open_shards(path)
+            manifest, self.arrays = open_shards(path, verify=verify)
             self.eos_id = manifest["eos_id"]
             if manifest["vocab_size"] > vocab_size:
                 raise DataError(
@@ -115,9 +119,16 @@ class BatchLoader:
 
 
 def build_loader(
-    paths: Sequence[str], weights: Sequence[float], seed: int, batch_size: int, seq_len: int, vocab_size: int
+    paths: Sequence[str],
+    weights: Sequence[float],
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    verify: bool = True,
 ) -> BatchLoader:
-    sources = [SequenceSource(p, seq_len, vocab_size) for p in paths]
+    """The batches of step s from the weighted `paths` (each checked as SequenceSource says)."""
+    sources = [SequenceSource(p, seq_len, vocab_size, verify) for p in paths]
     eos = {s.eos_id for s in sources}
     # None: unknown (a .npy) or the sources disagree; document masking then needs data.eos_id
     eos_id = eos.pop() if len(eos) == 1 else None

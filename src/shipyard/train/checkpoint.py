@@ -9,6 +9,10 @@ Once a save has finished, a background thread records the sha256 of every
 file in `<step>.sha256.json` next to it. On resume, checkpoints are tried
 newest first: one whose files no longer match (truncated, corrupted) or that
 fails to load is reported and skipped, and the previous complete one is used.
+Every other reader (export, generate, chat, serve, eval, train.init_from,
+pipeline digests: all through runs.ModelDir) verifies the one checkpoint it
+reads and refuses a bad one (no silent fallback). Hashes go through the
+per-user cache of data/hashcache.py, so an unchanged checkpoint is hashed once.
 
 Restoring is against the abstract state (shapes, dtypes and shardings) of the
 *current* mesh, so a checkpoint saved with fsdp=8 on 8 devices restores onto 4
@@ -17,7 +21,6 @@ devices or 1: Orbax reads each shard's slice for the new layout.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -28,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from shipyard.config import CheckpointConfig
+from shipyard.data.hashcache import sha256_files
 from shipyard.errors import RunDirError
 
 SIDECAR = ".sha256.json"
@@ -37,17 +41,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return (Path(run_dir) / "checkpoints").absolute()
 
 
-def _file_hashes(step_dir: Path) -> dict[str, str]:
-    out = {}
+def _file_names(step_dir: Path) -> list[str]:
+    names = []
     for root, _, files in os.walk(step_dir):
-        for name in sorted(files):
-            path = Path(root) / name
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            out[path.relative_to(step_dir).as_posix()] = h.hexdigest()
-    return out
+        names += [(Path(root) / name).relative_to(step_dir).as_posix() for name in sorted(files)]
+    return names
+
+
+def _file_hashes(step_dir: Path, fresh: bool = False) -> dict[str, str]:
+    # Through the per-user hash cache: a checkpoint's files never change once Orbax has renamed it
+    # into place, so an unchanged file is hashed once (its first verify, or the sidecar's own hashing).
+    return sha256_files(step_dir, _file_names(step_dir), fresh=fresh)
 
 
 def _sidecar(directory: Path, step: int) -> Path:
@@ -60,25 +64,33 @@ def write_checksums(directory: Path, step: int) -> None:
     if not step_dir.is_dir():
         return
     tmp = _sidecar(directory, step).with_suffix(".tmp")
-    tmp.write_text(json.dumps(_file_hashes(step_dir), indent=1))
+    tmp.write_text(json.dumps(_file_hashes(step_dir, fresh=True), indent=1))
     os.replace(tmp, _sidecar(directory, step))
 
 
 def verify_checksums(directory: Path, step: int) -> str | None:
-    """None when checkpoint `step` matches its recorded hashes (or has none yet), else what is wrong."""
+    """None when checkpoint `step` matches its recorded hashes (or has none yet), else what is wrong.
+
+    No sidecar is not an error: it is written by a background thread after Orbax has finalised the
+    save (an atomic rename, so the checkpoint itself is complete), and a run killed in between, a run
+    still hashing its newest save, or a checkpoint from before sidecars existed has none. `--resume`
+    and every other reader accept such a checkpoint as Orbax left it."""
     sidecar = _sidecar(directory, step)
     if not sidecar.is_file():
         return None
     try:
         recorded = json.loads(sidecar.read_text())
-    except json.JSONDecodeError:
-        return f"its checksum file {sidecar.name} is unreadable"
-    actual = _file_hashes(directory / str(step))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"its checksum file {sidecar} is unreadable ({type(e).__name__})"
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        return f"its checksum file {sidecar} is not a {{file: sha256}} object"
+    step_dir = directory / str(step)
+    actual = sha256_files(step_dir, list(recorded))
     for name, digest in recorded.items():
         if name not in actual:
-            return f"file {name} is missing"
+            return f"file {step_dir / name} is missing"
         if actual[name] != digest:
-            return f"file {name} does not match its recorded sha256 (truncated or corrupted)"
+            return f"file {step_dir / name} does not match its recorded sha256 (truncated or corrupted)"
     return None
 
 

@@ -18,7 +18,7 @@ from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed
-from shipyard.runs import base_params, check_ids_fit, run_tokenizer
+from shipyard.runs import base_params, check_ids_fit, check_init_from, run_tokenizer
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.loop import (
     Evaluator,
@@ -94,6 +94,7 @@ class TrainData:
 
 
 def load_data(cfg: Config, say: Say) -> TrainData:
+    check_init_from(cfg)  # a bad train.init_from checkpoint is refused before the run directory is written
     if cfg.data.chat is not None:
         chat = load_chat_data(cfg)
         say(chat["summary"])
@@ -106,13 +107,14 @@ def load_data(cfg: Config, say: Say) -> TrainData:
             "or data.chat for fine-tuning on conversations"
         )
     seq_len = cfg.data.seq_len
+    verify = cfg.data.verify  # shard sizes always, sha256 unless data.verify is false
     loader = build_loader(
-        paths, weights, cfg.data_seed(), cfg.train.global_batch_size, seq_len, cfg.model.vocab_size
+        paths, weights, cfg.data_seed(), cfg.train.global_batch_size, seq_len, cfg.model.vocab_size, verify
     )
     eos_id = document_eos_id(cfg, loader.eos_id)
     val = None
     if cfg.train.eval_every is not None:
-        val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size)
+        val = SequenceSource(cfg.data.validation_tokens, seq_len, cfg.model.vocab_size, verify)
     tokenizer = run_tokenizer(cfg)
     if tokenizer is not None:
         check_ids_fit(cfg, tokenizer)
@@ -120,11 +122,15 @@ def load_data(cfg: Config, say: Say) -> TrainData:
 
 
 def run_inputs(cfg: Config, data: TrainData) -> dict:
-    """The run header's inputs: each training source (or chat file and tokenizer) with its sha256."""
+    """The run header's inputs: each training source (or chat file and tokenizer) with its sha256, and
+    whether its shards were checked against their manifest's sha256s (data.verify; a .npy has none)."""
     if data.chat is not None:
         return data.chat["inputs"]
     names = [f"mixture[{i}]" for i in range(len(data.paths))] if cfg.data.mixture else ["train_tokens"]
-    return {n: {"path": str(p), "sha256": tokens_sha256(p)} for n, p in zip(names, data.paths)}
+    return {
+        n: {"path": str(p), "sha256": tokens_sha256(p), "verified": cfg.data.verify and Path(p).is_dir()}
+        for n, p in zip(names, data.paths)
+    }
 
 
 def open_run_dir(

@@ -1,0 +1,104 @@
+"""sha256 of files, remembered per user so that an unchanged file is hashed once.
+
+Verifying token shards and checkpoints before every read would re-read
+terabytes on every restart; instead the digest of each file is remembered
+together with the file's stat (size, mtime_ns, ctime_ns, inode). A file whose
+stat still matches is taken to hold the bytes it held when it was hashed; any
+rewrite changes mtime or ctime (and `os.utime` setting the mtime back changes
+the ctime), so it is hashed again. What this cannot see is a change below the
+filesystem (bit rot on the disk): `shipyard data verify` hashes afresh.
+
+Where the cache lives: `$XDG_CACHE_HOME/shipyard/sha256/` (default
+`~/.cache/shipyard/sha256/`), one small JSON file per hashed directory, named
+by the sha256 of the directory's absolute path. Not next to the data, because
+a shard directory may be read-only or shared between users (a verdict one
+user writes into it would be trusted by all), and because pipeline input
+hashes and artifact digests hash every file of a directory, so a cache file
+there would change them. Writes are atomic (temporary file + rename); a cache
+that cannot be written or read is ignored (everything is hashed instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/shipyard/sha256 (XDG_CACHE_HOME defaults to ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shipyard" / "sha256"
+
+
+def _cache_file(directory: Path) -> Path:
+    return cache_root() / (hashlib.sha256(str(directory).encode()).hexdigest()[:32] + ".json")
+
+
+def _stamp(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _read(directory: Path) -> dict:
+    try:
+        data = json.loads(_cache_file(directory).read_text())
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) and data.get("dir") == str(directory) else None
+    return files if isinstance(files, dict) else {}
+
+
+def _write(directory: Path, files: dict) -> None:
+    target = _cache_file(directory)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"dir": str(directory), "files": files}, f)
+        os.replace(tmp, target)
+    except OSError:
+        pass  # a read-only or full cache directory only costs re-hashing next time
+
+
+def sha256_files(directory: str | Path, names: Iterable[str], *, fresh: bool = False) -> dict[str, str]:
+    """{name: sha256} of the files `directory/name`, taken from the cache for files whose stat is
+    unchanged since they were hashed (all hashed when `fresh`); the cache is updated. A missing
+    file is left out of the result."""
+    directory = Path(directory).absolute()
+    known = _read(directory)
+    cached = {} if fresh else known
+    out: dict[str, str] = {}
+    changed = False
+    for name in names:
+        stamp = _stamp(directory / name)
+        if stamp is None:
+            continue
+        entry = cached.get(name)
+        if isinstance(entry, list) and len(entry) == 5 and entry[:4] == stamp:
+            out[name] = entry[4]
+            continue
+        out[name] = file_sha256(directory / name)
+        after = _stamp(directory / name)
+        if after == stamp:  # a file being written while it was hashed is not remembered
+            known[name] = [*stamp, out[name]]
+            changed = True
+    if changed:
+        # drop entries of files that are gone, so the cache of a directory never outgrows it
+        _write(directory, {n: e for n, e in known.items() if (directory / n).exists()})
+    return out
