@@ -1,15 +1,22 @@
-"""data.seed: the data order has its own seed; left null, the order is train.seed's, as before it existed.
+"""data.seed: the data order has its own seed; left null, the order is train.seed's, as before it existed;
+and --resume refuses what would change the data order (the CLI cases are in tests/test_resume.py).
 
 Built from the trainer's own pieces (load_data, build_program, initial_state),
 so what is compared is what a run would train on and start from; no step runs.
 """
 
+import json
+
 import grain
 import jax
 import numpy as np
+import pytest
 
-from shipyard.config import load_config
+from shipyard.config import load_config, to_yaml
+from shipyard.errors import RunDirError
+from shipyard.output import write_atomic
 from shipyard.train.program import build_program
+from shipyard.train.rundir import check_resumable
 from shipyard.train.trainer import initial_state, load_data
 
 STEPS = 3
@@ -54,3 +61,36 @@ def test_default_data_order_is_the_train_seed_order(byte_tokens, tmp_path):
         rows = [int(order[s * size + r]) for r in range(size)]
         want = np.stack([tokens[i * length : i * length + length + 1] for i in rows]).astype(np.int32)
         assert np.array_equal(batch, want), f"step {s}: the default data order changed"
+
+
+def _saved_run(run_dir, cfg, inputs):
+    """A run directory's header as a run of `cfg` on `inputs` writes it (no checkpoints needed to check)."""
+    run_dir.mkdir()
+    write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    if inputs is not None:
+        write_atomic(run_dir / "provenance.json", json.dumps({"inputs": inputs}))
+
+
+def test_resume_checks_mixture_weights_and_falls_back_to_paths(tmp_path):
+    """The checks the CLI test cannot reach cheaply: mixture weights, and a run whose provenance.json
+    does not record its data (then the paths must match)."""
+    mix = "data.mixture=[{path: a.npy, weight: 1}, {path: b.npy, weight: 3}]"
+    cfg = load_config("tiny", [mix])
+    inputs = {
+        "mixture[0]": {"path": "a.npy", "sha256": "aa"},
+        "mixture[1]": {"path": "b.npy", "sha256": "bb"},
+    }
+    _saved_run(tmp_path / "m", cfg, inputs)
+    check_resumable(tmp_path / "m", cfg, inputs)  # the same run: accepted
+    heavier = load_config("tiny", [mix.replace("weight: 3", "weight: 4")])
+    with pytest.raises(
+        RunDirError, match=r"data.mixture weights: \[1.0, 3.0\], this config has \[1.0, 4.0\]"
+    ):
+        check_resumable(tmp_path / "m", heavier, inputs)
+    with pytest.raises(RunDirError, match=r"mixture\[1\] \(b.npy\) is not the data"):
+        check_resumable(tmp_path / "m", cfg, {**inputs, "mixture[1]": {"path": "b.npy", "sha256": "cc"}})
+    _saved_run(tmp_path / "p", cfg, None)
+    check_resumable(tmp_path / "p", cfg, inputs)
+    moved = load_config("tiny", [mix.replace("b.npy", "c.npy")])
+    with pytest.raises(RunDirError, match="provenance.json does not record the run's data"):
+        check_resumable(tmp_path / "p", moved, inputs)
