@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from shipyard.errors import DataError, RunDirError
 
 RUNDIR, DATA = 4, 3  # exit codes (shipyard.errors)
 QUIET = ["train.logging.progress=false", "train.logging.log_every=1"]
+SETTLE_NS = 100_000_000  # hashcache.RACY_NS for the cache tests (2 s by default), so they wait 0.2 s
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +192,9 @@ def test_a_checkpoint_without_a_sidecar_yet_is_read_as_resume_reads_it(world, tm
 def test_checkpoint_hashes_are_cached_but_a_rewritten_file_is_rehashed(world, tmp_path, monkeypatch):
     from shipyard.runs import open_model_dir
 
+    monkeypatch.setattr(hashcache, "RACY_NS", SETTLE_NS)
     run = _run_copy(world, tmp_path)
+    time.sleep(2 * SETTLE_NS / 1e9)  # files changed just before hashing are not remembered
     model_dir = open_model_dir(run, "export hf")
     model_dir.verify(6)  # first read of this copy: hashed
     calls = []
@@ -252,6 +256,7 @@ def test_verify_false_trains_on_unverified_shards_and_provenance_says_so(world, 
 def test_a_second_start_uses_the_cache_and_a_changed_shard_is_rehashed(world, tmp_path, monkeypatch):
     from shipyard.data.loader import build_loader
 
+    monkeypatch.setattr(hashcache, "RACY_NS", SETTLE_NS)
     shards = _shards_copy(world, tmp_path)
     n = len(json.loads((shards / "manifest.json").read_text())["shards"])
     assert n >= 2
@@ -260,27 +265,37 @@ def test_a_second_start_uses_the_cache_and_a_changed_shard_is_rehashed(world, tm
     monkeypatch.setattr(hashcache, "file_sha256", lambda p: calls.append(Path(p).name) or real(p))
 
     def start():
+        calls.clear()
         return build_loader([str(shards)], [1.0], 0, 8, 32, 320)
 
+    time.sleep(2 * SETTLE_NS / 1e9)
     start()
     assert len(calls) == n  # first start: every shard hashed once
-    calls.clear()
     start()
     assert calls == []  # second start: all from the cache
     victim = _shard(shards)
     before = victim.stat()
-    _flip(victim, at=-3)  # same size, new mtime
-    assert victim.stat().st_size == before.st_size
+    _flip(victim, at=-3)  # same size, and the mtime set back: only the ctime tells
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (victim.stat().st_size, victim.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     with pytest.raises(DataError, match=f"{victim.name} is corrupt"):
         start()
     assert calls == [victim.name]  # only the changed shard was hashed again
-    # mtime set back (os.utime) still changes the ctime, so the cache does not hide the change
-    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
-    calls.clear()
+    _flip(victim, at=-3)  # the bytes restored: good again
+    start()
+    start()  # changed too recently to be remembered (a same-tick rewrite could keep its stat)
+    assert calls == [victim.name]
+    time.sleep(2 * SETTLE_NS / 1e9)
+    start()
+    start()
+    assert calls == []  # settled, hashed once more and remembered
+    _flip(victim, at=-3)  # a plain rewrite
     with pytest.raises(DataError, match=f"{victim.name} is corrupt"):
         start()
     # `data verify` hashes afresh whatever the cache says
     _flip(victim, at=-3)  # restored
+    time.sleep(2 * SETTLE_NS / 1e9)
+    start()
     calls.clear()
     from shipyard.data.shards import verify_shards
 

@@ -206,9 +206,10 @@ class ModelDir:
         except ShipyardError:
             raise
         except Exception as e:  # orbax/tensorstore raise many types for unreadable data (no sidecar yet)
+            # TensorStore appends a repr of a bound method to its messages: keep what precedes it
+            reason = (str(e).splitlines() or [""])[0].split(" See full TensorStore details")[0][:200]
             raise RunDirError(
-                f"{what}: checkpoint {step} of {self.path} does not load "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                f"{what}: checkpoint {step} of {self.path} does not load ({type(e).__name__}: {reason}); "
                 f"{self._alternative(checkpoint_dir(self.path), step, what)}"
             ) from e
 

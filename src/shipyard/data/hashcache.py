@@ -5,8 +5,12 @@ terabytes on every restart; instead the digest of each file is remembered
 together with the file's stat (size, mtime_ns, ctime_ns, inode). A file whose
 stat still matches is taken to hold the bytes it held when it was hashed; any
 rewrite changes mtime or ctime (and `os.utime` setting the mtime back changes
-the ctime), so it is hashed again. What this cannot see is a change below the
-filesystem (bit rot on the disk): `shipyard data verify` hashes afresh.
+the ctime), so it is hashed again. Timestamps are coarse (a clock tick of
+milliseconds, seconds on some filesystems), so a file changed less than
+RACY_NS before it was hashed is not remembered: a second write in the same
+tick could otherwise leave its stat unchanged (git's "racy" rule). What this
+cannot see is a change below the filesystem (bit rot on the disk): `shipyard
+data verify` hashes afresh.
 
 Where the cache lives: `$XDG_CACHE_HOME/shipyard/sha256/` (default
 `~/.cache/shipyard/sha256/`), one small JSON file per hashed directory, named
@@ -24,8 +28,12 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
+
+RACY_NS = 2_000_000_000
+"""A file modified this recently (ns) before it is hashed is not remembered (see sha256_files)."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -78,8 +86,8 @@ def _write(directory: Path, files: dict) -> None:
 
 def sha256_files(directory: str | Path, names: Iterable[str], *, fresh: bool = False) -> dict[str, str]:
     """{name: sha256} of the files `directory/name`, taken from the cache for files whose stat is
-    unchanged since they were hashed (all hashed when `fresh`); the cache is updated. A missing
-    file is left out of the result."""
+    unchanged since they were hashed (all hashed when `fresh`); the cache is updated with files
+    that had settled (unchanged for RACY_NS) when hashed. A missing file is left out."""
     directory = Path(directory).absolute()
     known = _read(directory)
     cached = {} if fresh else known
@@ -93,9 +101,12 @@ def sha256_files(directory: str | Path, names: Iterable[str], *, fresh: bool = F
         if isinstance(entry, list) and len(entry) == 5 and entry[:4] == stamp:
             out[name] = entry[4]
             continue
+        started = time.time_ns()
         out[name] = file_sha256(directory / name)
-        after = _stamp(directory / name)
-        if after == stamp:  # a file being written while it was hashed is not remembered
+        # Not remembered: a file written while it was hashed, or changed within RACY_NS of the hashing
+        # (timestamps are coarse, so a rewrite in the same tick could leave the stat as it was).
+        settled = max(stamp[1], stamp[2]) < started - RACY_NS
+        if settled and _stamp(directory / name) == stamp:
             known[name] = [*stamp, out[name]]
             changed = True
     if changed:
