@@ -77,6 +77,73 @@ def add_quantize_flags(p, kv_cache: bool = True) -> None:
         )
 
 
+def _checked(parse, check, what: str):
+    """An argparse `type`: `parse` the text, then `check` the value (a ValueError's message becomes the
+    one-line refusal `Parser.error` turns into exit 2)."""
+
+    def arg(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            return check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return arg
+
+
+def _at_least_one(value: int) -> int:
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+def _sampling_rule(name: str):
+    """`inference.sampling`'s check `name`, imported when a flag is given: that module imports JAX,
+    which `shipyard --help` and the commands that never sample should not wait for."""
+
+    def check(value):
+        from shipyard.inference import sampling
+
+        return getattr(sampling, name)(value)
+
+    return check
+
+
+def add_sampling_flags(
+    p: argparse.ArgumentParser, default_max_new: int, defaults: tuple[str, str, str]
+) -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p and --seed, checked by the ranges the OpenAI
+    API also holds requests to (`inference.sampling`); `defaults` describes each sampling flag's fallback
+    when neither it nor the model's generation_config.json gives one."""
+    temperature, top_k, top_p = defaults
+    model = "default: the model's generation_config.json, else "
+    p.add_argument(
+        "--max-new-tokens", type=_checked(int, _at_least_one, "a whole number"), default=default_max_new
+    )
+    p.add_argument(
+        "--temperature",
+        type=_checked(float, _sampling_rule("check_temperature"), "a number"),
+        default=None,
+        help=f"0 (greedy) to 2; {model}{temperature}",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_checked(int, _sampling_rule("check_top_k"), "a whole number"),
+        default=None,
+        help=f"sample among the k most likely tokens (0: all of them); {model}{top_k}",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_checked(float, _sampling_rule("check_top_p"), "a number"),
+        default=None,
+        help=f"sample among the most likely tokens holding this mass, in (0, 1]; {model}{top_p}",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
 def add_template_flag(p: argparse.ArgumentParser, help: str) -> None:
     """--template: which chat template renders conversations."""
     p.add_argument(

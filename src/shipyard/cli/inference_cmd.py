@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shipyard.cli.args import add_model_dir, add_quantize_flags, add_template_flag
+from shipyard.cli.args import add_model_dir, add_quantize_flags, add_sampling_flags, add_template_flag
 from shipyard.errors import ConfigError
 
 
@@ -130,12 +130,7 @@ def register(sub) -> None:
     ge = sub.add_parser("generate", help="complete prompts with a model (KV cache, batched)")
     add_model_dir(ge)
     ge.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    ge.add_argument("--max-new-tokens", type=int, default=64)
-    sampling_help = "default: the model's generation_config.json, else "
-    ge.add_argument("--temperature", type=float, default=None, help=sampling_help + "0 (greedy)")
-    ge.add_argument("--top-k", type=int, default=None, help=sampling_help + "all tokens")
-    ge.add_argument("--top-p", type=float, default=None, help=sampling_help + "1")
-    ge.add_argument("--seed", type=int, default=0)
+    add_sampling_flags(ge, 64, ("0 (greedy)", "all tokens", "1"))
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     add_quantize_flags(ge)
     ge.set_defaults(func=_cmd_generate)
@@ -143,11 +138,7 @@ def register(sub) -> None:
     ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed replies)")
     add_model_dir(ch)
     ch.add_argument("--system", default=None, help="system message for the conversation")
-    ch.add_argument("--max-new-tokens", type=int, default=256)
-    ch.add_argument("--temperature", type=float, default=None, help=sampling_help + "0.7 (0 = greedy)")
-    ch.add_argument("--top-k", type=int, default=None, help=sampling_help + "50")
-    ch.add_argument("--top-p", type=float, default=None, help=sampling_help + "0.95")
-    ch.add_argument("--seed", type=int, default=0)
+    add_sampling_flags(ch, 256, ("0.7", "50", "0.95"))
     add_template_flag(ch, "chat template (default: the one the run trained with)")
     add_quantize_flags(ch)
     ch.set_defaults(func=_cmd_chat)

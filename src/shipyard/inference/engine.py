@@ -46,7 +46,7 @@ from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
 from shipyard.inference.generate import decode_compiler_options, default_kv_dtype
-from shipyard.inference.sampling import filter_logits
+from shipyard.inference.sampling import MIN_TEMPERATURE, filter_logits
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def sample_rows(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) ->
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
 
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
         scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)

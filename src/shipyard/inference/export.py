@@ -29,7 +29,7 @@ import shipyard
 from shipyard.errors import ConfigError
 from shipyard.inference import artifact
 from shipyard.inference.decode import KVCache, forward_cached, init_cache
-from shipyard.inference.sampling import filter_logits
+from shipyard.inference.sampling import MIN_TEMPERATURE, filter_logits
 from shipyard.output import atomic_dir, refuse_existing, write_json
 
 DECODE_CHUNK = 8
@@ -52,7 +52,7 @@ def choose(logits, key, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array
 
     def sampled(key):
         key, sub = jax.random.split(key)
-        filtered = filter_logits(logits / temperature, top_k, top_p)
+        filtered = filter_logits(logits / jnp.maximum(temperature, MIN_TEMPERATURE), top_k, top_p)
         return jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32), key
 
     return jax.lax.cond(temperature > 0, sampled, greedy, key)

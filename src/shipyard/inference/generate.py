@@ -27,7 +27,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
-from shipyard.inference.sampling import filter_logits
+from shipyard.inference.sampling import MIN_TEMPERATURE, filter_logits
 from shipyard.model import quant
 
 
@@ -37,7 +37,7 @@ def sample(
     """Next token ids [batch] from last-position logits [batch, vocab]; temperature 0 is greedy."""
     if temperature <= 0:
         return jnp.argmax(logits, axis=-1)
-    logits = logits / temperature
+    logits = logits / max(temperature, MIN_TEMPERATURE)
     if top_k is not None or top_p is not None:  # (the filter sorts the vocabulary: only when asked)
         logits = filter_logits(logits, top_k or 0, 2.0 if top_p is None else top_p)
     return jax.random.categorical(key, logits, axis=-1)
