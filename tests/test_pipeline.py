@@ -228,3 +228,41 @@ def test_the_packaged_quickstart_pipeline_validates_and_plans(tmp_path):
     assert [p.step.name for p in planned][:2] == ["documents", "filter"]
     assert all(p.status == "run" and p.reason == "new" for p in planned)
     assert not (tmp_path / "qs").exists()  # a dry run writes nothing
+
+
+def test_reproduce_reports_the_step_that_differs_and_exits_7(tmp_path, monkeypatch, capsys):
+    """A tokenizer step that writes a random file (non-deterministic by construction): reproducing the
+    chain reports it DIFFERENT, the steps before it and the tokenize step after it (which reads only
+    tokenizer.json) identical, and exits 7. The same chain with the real step reproduces: exit 0."""
+    from shipyard.pipeline import steps
+
+    real = steps.STEPS["tokenizer-train"]
+
+    def noisy_tokenizer(out, inputs, config):
+        result = real(out, inputs, config)
+        (out / "noise.bin").write_bytes(os.urandom(16))
+        return result
+
+    path = _pipeline(tmp_path)
+    monkeypatch.setitem(steps.STEPS, "tokenizer-train", noisy_tokenizer)
+    tokens = {p.step.name: p for p in run_pipeline(path, log=lambda m: None)}["tokens"].out
+    capsys.readouterr()
+    assert main(["reproduce", str(tokens), "--root", str(tmp_path / "again")]) == 7
+    out = capsys.readouterr().out
+    verdicts = {
+        line.split("]")[0][1:]: line.split("] ")[1].split(":")[0]
+        for line in out.splitlines()
+        if line.startswith("[") and ("identical:" in line or "DIFFERENT:" in line)
+    }
+    assert verdicts == {
+        "filter": "identical",
+        "dedup": "identical",
+        "tokenizer": "DIFFERENT",
+        "tokens": "identical",
+    }
+    assert "reproduce: 3 of 4 steps identical" in out
+
+    monkeypatch.setitem(steps.STEPS, "tokenizer-train", real)
+    tokens = {p.step.name: p for p in run_pipeline(path, root=tmp_path / "clean", log=lambda m: None)}
+    assert main(["reproduce", str(tokens["tokens"].out), "--root", str(tmp_path / "again-clean")]) == 0
+    assert "reproduce: 4 of 4 steps identical" in capsys.readouterr().out
