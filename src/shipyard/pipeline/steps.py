@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,46 +98,23 @@ def _train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     return {"run_dir": str(out)}
 
 
-def unigram_bits_per_byte(train_tokens: Path, heldout_tokens: Path, tokenizer_dir: Path, vocab: int) -> dict:
-    """The baseline a model must beat: add-one-smoothed unigram frequencies of the training
-    tokens, scored on the held-out tokens, in bits per UTF-8 byte."""
-    from shipyard.data.shards import open_shards
-    from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.eval.loglik import token_byte_lengths
-
-    counts = np.ones(vocab, np.float64)
-    for shard in open_shards(train_tokens)[1]:
-        counts += np.bincount(np.asarray(shard), minlength=vocab)[:vocab]
-    logp = np.log(counts / counts.sum())
-    lengths = token_byte_lengths(load_tokenizer(tokenizer_dir))
-    nats = nbytes = tokens = 0
-    for shard in open_shards(heldout_tokens)[1]:
-        ids = np.asarray(shard)
-        nats -= float(logp[ids].sum())
-        nbytes += int(lengths[ids].sum())
-        tokens += ids.size
-    return {
-        "tokens": tokens,
-        "bytes": nbytes,
-        "loss": nats / tokens,
-        "bits_per_byte": nats / math.log(2) / nbytes,
-    }
-
-
 def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     """Held-out loss / bits-per-byte of the run next to the unigram baseline of its training tokens."""
     from shipyard.config import load_config
+    from shipyard.data.tokenizer import load_tokenizer
     from shipyard.eval.evaluate import run_eval
+    from shipyard.eval.heldout import unigram_metrics
     from shipyard.runs import tokenizer_of
 
     run, heldout = _need("eval", inputs, "run", "tokens")
-    report = run_eval(
-        run, {"heldout": str(heldout)}, [], max_sequences=int(config.get("max_sequences", 64))
-    ).to_json()
+    max_sequences = int(config.get("max_sequences", 64))
+    report = run_eval(run, {"heldout": str(heldout)}, [], max_sequences=max_sequences).to_json()
     cfg = load_config(str(run / "config.yaml"))
     tok_dir = tokenizer_of(cfg)
     if tok_dir is not None and cfg.data.train_tokens is not None:
-        base = unigram_bits_per_byte(Path(cfg.data.train_tokens), heldout, tok_dir, cfg.model.vocab_size)
+        tok = load_tokenizer(tok_dir)
+        # on the very tokens the model was scored on (its first max_sequences sequences)
+        base = unigram_metrics(cfg.data.train_tokens, cfg.model, heldout, tok, max_sequences).to_json()
         report["unigram_baseline"] = base
         model_bpb = report["domains"]["heldout"]["bits_per_byte"]
         report["bits_per_byte_vs_unigram"] = model_bpb / base["bits_per_byte"]
