@@ -1,6 +1,11 @@
 """Test setup: 8 host CPU devices for sharding tests, set before JAX starts."""
 
 import os
+import tempfile
+
+# sha256 verdicts of shards and checkpoints are cached per user (data/hashcache.py): keep the suite's
+# out of the developer's ~/.cache, and every session's apart (subprocesses inherit it).
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="shipyard-tests-cache-")
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")

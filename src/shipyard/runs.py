@@ -238,6 +238,17 @@ def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = N
     tok = tok.parent if tok.name == "tokenizer.json" else tok
     if not (tok / "tokenizer.json").is_file():
         raise DataError(f"{what}: --tokenizer {tokenizer} holds no tokenizer.json")
+    from shipyard.data.tokenizer import load_tokenizer
+
+    # A tokenizer with more ids than the model's vocabulary would feed it ids past its embedding
+    # table, which a gather clamps silently: garbage text, no error.
+    size = load_tokenizer(tok).get_vocab_size(with_added_tokens=True)
+    vocab = model_dir.config.model.vocab_size
+    if size > vocab:
+        raise DataError(
+            f"{what}: --tokenizer {tokenizer} has {size} tokens, more than the model's vocabulary of "
+            f"{vocab}; give the tokenizer the model was trained with"
+        )
     return replace(model_dir, tokenizer_dir=tok)
 
 

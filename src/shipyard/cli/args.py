@@ -100,6 +100,39 @@ def _at_least_one(value: int) -> int:
     return value
 
 
+def whole_number(minimum: int = 1):
+    """An argparse `type`: a whole number of at least `minimum` (a count, a size, a number of workers)."""
+
+    def check(value: int) -> int:
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return _checked(int, check, "a whole number")
+
+
+def positive_number():
+    """An argparse `type`: a number above 0 (a size in GB, a token budget)."""
+
+    def check(value: float) -> float:
+        if not value > 0:  # also refuses nan
+            raise ValueError(f"must be above 0, got {value}")
+        return value
+
+    return _checked(float, check, "a number")
+
+
+def fraction():
+    """An argparse `type`: a number from 0 to 1."""
+
+    def check(value: float) -> float:
+        if not 0 <= value <= 1:
+            raise ValueError(f"must be from 0 to 1, got {value}")
+        return value
+
+    return _checked(float, check, "a number")
+
+
 def _sampling_rule(name: str):
     """`inference.sampling`'s check `name`, imported when a flag is given: that module imports JAX,
     which `shipyard --help` and the commands that never sample should not wait for."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import command_group
+from shipyard.cli.args import command_group, fraction, whole_number
 
 
 def _cmd_data_bytes(args) -> int:
@@ -126,7 +126,7 @@ def register(sub) -> None:
     by = data_sub.add_parser("bytes", help="write the stdlib corpus as byte-level tokens (.npy)")
     by.add_argument("--out", type=Path, required=True, help="output .npy path")
     by.add_argument("--split", choices=("train", "validation"), default="train")
-    by.add_argument("--max-bytes", type=int, default=None, help="stop after this many bytes")
+    by.add_argument("--max-bytes", type=whole_number(1), default=None, help="stop after this many bytes")
     by.set_defaults(func=_cmd_data_bytes)
 
     sl = data_sub.add_parser(
@@ -160,12 +160,15 @@ def register(sub) -> None:
         )
         st.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
         st.add_argument(
-            "--max-bad-fraction", type=float, default=0.01, help="fail when more records than this are bad"
+            "--max-bad-fraction",
+            type=fraction(),
+            default=0.01,
+            help="fail when more records than this are bad",
         )
         st.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
         if name != "tokenizer-train":
             st.add_argument(
-                "--workers", type=int, default=None, help="worker processes (default: every core)"
+                "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
             )
         if name == "decontaminate":
             st.add_argument(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import add_model_dir, add_quantize_flags
+from shipyard.cli.args import add_model_dir, add_quantize_flags, whole_number
 from shipyard.errors import ConfigError
 
 
@@ -68,7 +68,9 @@ def register(sub) -> None:
         metavar="KIND:FILE",
         help="mc:FILE.jsonl, cloze:FILE.jsonl or chat:FILE.jsonl (exact match of the last assistant reply)",
     )
-    ev.add_argument("--max-sequences", type=int, default=64, help="sequences scored per token set")
+    ev.add_argument(
+        "--max-sequences", type=whole_number(1), default=64, help="sequences scored per token set"
+    )
     ev.add_argument(
         "--out",
         type=Path,

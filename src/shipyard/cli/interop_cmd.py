@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import add_model_dir, command_group
+from shipyard.cli.args import add_model_dir, command_group, positive_number
 from shipyard.output import refuse_existing
 
 
@@ -77,7 +77,9 @@ def register(sub) -> None:
     )
     add_model_dir(exh)
     exh.add_argument("out", type=Path, help="output directory (must not exist)")
-    exh.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors above this size")
+    exh.add_argument(
+        "--max-shard-gb", type=positive_number(), default=5.0, help="split safetensors above this size"
+    )
     exh.set_defaults(func=_cmd_export_hf)
     exp = ex_sub.add_parser(
         "peft", help="a LoRA run's adapters as a PEFT directory (adapter_config.json + safetensors)"

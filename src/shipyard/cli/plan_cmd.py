@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shipyard.cli.args import CONFIG_HELP, load_config_arg
+from shipyard.cli.args import CONFIG_HELP, load_config_arg, positive_number
 from shipyard.errors import ConfigError
 
 
@@ -42,7 +42,9 @@ def register(sub) -> None:
     pl.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,fsdp=8,tensor=1,expert=4")
     pl.add_argument("--device", default="h100", choices=["h100", "h200", "a100", "tpu-v5p", "cpu"])
     pl.add_argument("--device-memory", help="memory per device (e.g. 80GiB); default: the device's")
-    pl.add_argument("--tokens", type=float, help="token budget for time and device-hours (e.g. 15e12)")
+    pl.add_argument(
+        "--tokens", type=positive_number(), help="token budget for time and device-hours (e.g. 15e12)"
+    )
     pl.add_argument(
         "--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for time (default 0.4)"
     )

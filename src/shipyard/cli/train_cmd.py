@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shipyard.cli.args import CONFIG_HELP, load_config_arg
+from shipyard.cli.args import CONFIG_HELP, load_config_arg, whole_number
 from shipyard.errors import ConfigError
 
 
@@ -83,7 +83,10 @@ def register(sub) -> None:
         "--ray", default=None, metavar="ADDRESS", help="Ray cluster address (e.g. auto or host:6379)"
     )
     la.add_argument(
-        "--devices-per-process", type=int, default=None, help="CPU testing: host devices each process exposes"
+        "--devices-per-process",
+        type=whole_number(1),
+        default=None,
+        help="CPU testing: host devices each process exposes",
     )
     la.add_argument("--run-dir", type=Path, default=None, help="run directory (shared by all processes)")
     la.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")

@@ -51,9 +51,15 @@ def launch_local(n: int, train_args: list[str], devices_per_process: int | None 
     if n < 1:
         raise ConfigError(f"launch --processes: {n} is not a positive number of processes")
     coordinator = f"127.0.0.1:{free_port()}"
+    # Each process in a session of its own: a Ctrl-C in the terminal goes to the terminal's process
+    # group, which would otherwise deliver it to every process *and* to us, and our forwarding would
+    # make it a second Ctrl-C (stop at once, no checkpoint). So only we receive it, and forward it once.
     procs = [
         subprocess.Popen(
-            train_command(train_args), env=process_env(os.environ, coordinator, n, i, devices_per_process)
+            train_command(train_args),
+            env=process_env(os.environ, coordinator, n, i, devices_per_process),
+            start_new_session=True,
+            preexec_fn=_stop_with_parent,
         )
         for i in range(n)
     ]
@@ -69,6 +75,17 @@ def launch_local(n: int, train_args: list[str], devices_per_process: int | None 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM (checkpoint and exit) when the launcher dies, even by
+    SIGKILL, since a process in its own session no longer shares the launcher's fate. Linux only; a
+    no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int:

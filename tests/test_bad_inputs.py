@@ -1,0 +1,364 @@
+"""A corpus of bad inputs, one per row: config values, YAML files, CLI flags, data files, shard
+directories and manifests, tokenizers, Hugging Face directories, checkpoints, chat JSONL and pipeline
+files. Every row must give exactly one line on stderr naming the problem (no traceback), the exit code
+of its kind (shipyard.errors), and leave every file that existed unchanged with nothing new written.
+
+Each row builds its own broken input from a shared, correct `world` (a tokenizer, token shards, a
+trained-looking run, an HF directory, chat data), so what breaks is the one thing the row names. The
+CLI runs in-process (`shipyard.cli.main.main`), which is what `shipyard` runs after its re-exec."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shipyard.cli.main import main
+
+CONFIG, DATA, RUNDIR, FS = 2, 3, 4, 1  # exit codes (shipyard.errors, main's OSError branch)
+
+
+@dataclass(frozen=True)
+class World:
+    """Correct inputs every row starts from (read-only: rows copy what they break)."""
+
+    root: Path
+    docs: Path
+    tokenizer: Path
+    shards: Path
+    run: Path
+    hf: Path
+    chats: Path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    from hf_fixtures import corpus, write_bpe, write_hf_model
+    from model_fixtures import noisy_params, save_run
+
+    from shipyard.config import load_config
+    from shipyard.data.configs import ReadConfig, TokenizeConfig
+    from shipyard.data.tokenize import run_tokenize
+
+    root = tmp_path_factory.mktemp("world")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(120)))
+    tok = write_bpe(root / "tok")
+    run_tokenize([str(docs)], root / "shards", tok, TokenizeConfig(), ReadConfig(), workers=1)
+    cfg = load_config("tiny", [f"data.train_tokens={root / 'shards'}", "model.vocab_size=320"])
+    save_run(root / "run", cfg, noisy_params(cfg.model, key=0, seed=0, scale=0.0))
+    shutil.copytree(tok, root / "run" / "tokenizer")
+    write_hf_model(root / "hf")
+    chats = root / "chats.jsonl"
+    turn = {"messages": [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]}
+    chats.write_text(json.dumps(turn) + "\n")
+    return World(root, docs, tok, root / "shards", root / "run", root / "hf", chats)
+
+
+# -- ways to break things -------------------------------------------------------------------------
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    return dst
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _shard_file(shards: Path) -> Path:
+    return shards / json.loads((shards / "manifest.json").read_text())["shards"][0]["file"]
+
+
+def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    value = json.loads(path.read_text())
+    change(value)
+    path.write_text(json.dumps(value))
+
+
+def _broken_shards(t: Path, w: World, how: str) -> Path:
+    shards = _copy(w.shards, t / "shards")
+    manifest = shards / "manifest.json"
+    if how == "no manifest":
+        manifest.unlink()
+    elif how == "manifest json":
+        _write(manifest, '{"shards": [')
+    elif how == "missing shard":
+        _shard_file(shards).unlink()
+    elif how == "truncated":
+        f = _shard_file(shards)
+        f.write_bytes(f.read_bytes()[:-100])
+    elif how == "manifest field":
+        _edit_json(manifest, lambda m: m.pop("shards"))
+    return shards
+
+
+def _broken_hf(t: Path, w: World, how: str) -> Path:
+    hf = _copy(w.hf, t / "hf")
+    if how == "no config":
+        (hf / "config.json").unlink()
+    elif how == "config json":
+        _write(hf / "config.json", "{not json")
+    elif how == "model type":
+        _edit_json(
+            hf / "config.json", lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+        )
+    elif how == "truncated weights":
+        f = hf / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "no weights":
+        (hf / "model.safetensors").unlink()
+    elif how == "heads":
+        _edit_json(hf / "config.json", lambda c: c.update(num_key_value_heads=3))
+    return hf
+
+
+def _yaml(t: Path, text: str, name: str = "c.yaml") -> str:
+    return str(_write(t / name, text))
+
+
+def _pipeline(t: Path, w: World, steps: str) -> str:
+    return _yaml(t, f"root: {t / 'root'}\nsteps:\n{steps}", "p.yaml")
+
+
+def _chat_cfg(t: Path, w: World, conversations: str) -> list[str]:
+    chats = _write(t / "chats.jsonl", conversations)
+    return [
+        "train",
+        "tiny",
+        "--run-dir",
+        str(t / "out"),
+        "data.train_tokens=null",
+        f"data.chat.train={chats}",
+        f"data.chat.tokenizer={w.tokenizer}",
+        "data.chat.template=chatml",
+        "model.vocab_size=320",
+        "train.steps=2",
+    ]
+
+
+def _train(t: Path, *overrides: str) -> list[str]:
+    return ["train", "tiny", "--run-dir", str(t / "out"), *overrides]
+
+
+# -- the corpus -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: Callable[[Path, World], list[str]]
+    """Builds the broken input under the row's directory and returns the command line."""
+    code: int
+    says: str
+    """A phrase the one line must contain (lower-cased): what is wrong or what is expected."""
+
+
+C = Case
+# One row per line: a table reads better than a reflowed one.
+# fmt: off
+CASES = [
+    # config values and overrides
+    C("negative steps", lambda t, w: _train(t, "train.steps=-1"), CONFIG, "train.steps"),
+    C("unknown key", lambda t, w: _train(t, "model.hidden_sizee=64"), CONFIG, "hidden_sizee"),
+    C("not a number", lambda t, w: _train(t, "train.optimizer.lr=fast"), CONFIG, "train.optimizer.lr"),
+    C("unknown preset", lambda t, w: ["train", "nosuchpreset"], CONFIG, "nosuchpreset"),
+    C("heads do not divide", lambda t, w: _train(t, "model.num_heads=5"), CONFIG, "num_heads"),
+    C("kv heads do not divide", lambda t, w: _train(t, "model.num_kv_heads=3"), CONFIG, "num_kv_heads"),
+    C("seq_len past context", lambda t, w: _train(t, "data.seq_len=1024"), CONFIG, "seq_len"),
+    C("zero batch", lambda t, w: _train(t, "train.global_batch_size=0"), CONFIG, "global_batch_size"),
+    C("unknown schedule", lambda t, w: _train(t, "train.schedule.kind=linear"), CONFIG, "schedule"),
+    C("override without =", lambda t, w: _train(t, "train.steps"), CONFIG, "train.steps"),
+    C("batch over the mesh", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.data=3"), CONFIG, "mesh"),
+    C("both sources", lambda t, w: _train(t, "data.mixture=[{path: a, weight: 1}]", "data.train_tokens=b"), CONFIG, "mixture"),
+    C("no data", lambda t, w: _train(t), CONFIG, "train_tokens"),
+    # YAML files
+    C("yaml syntax", lambda t, w: ["train", _yaml(t, "model: {hidden_size: 64\n")], CONFIG, "c.yaml"),
+    C("yaml not a mapping", lambda t, w: ["train", _yaml(t, "- a\n- b\n")], CONFIG, "c.yaml"),
+    C("yaml unknown section", lambda t, w: ["train", _yaml(t, "base: tiny\nmodle: {}\n")], CONFIG, "modle"),
+    C("yaml missing base", lambda t, w: ["train", _yaml(t, "base: nothere.yaml\n")], CONFIG, "nothere"),
+    C("yaml base cycle", lambda t, w: ["train", _yaml(t, f"base: {t / 'c.yaml'}\n")], CONFIG, "c.yaml"),
+    C("yaml missing file", lambda t, w: ["train", str(t / "absent.yaml")], CONFIG, "absent.yaml"),
+    # CLI flags
+    C("no command", lambda t, w: [], CONFIG, "required"),
+    C("unknown command", lambda t, w: ["trian"], CONFIG, "trian"),
+    C("no config", lambda t, w: ["train"], CONFIG, "config"),
+    C("unknown flag", lambda t, w: ["train", "tiny", "--fast"], CONFIG, "--fast"),
+    C("no prompt", lambda t, w: ["generate", str(w.run)], CONFIG, "--prompt"),
+    C("tokens not int", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--max-new-tokens", "many"], CONFIG, "--max-new-tokens"),
+    C("quantize choice", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--quantize", "int4"], CONFIG, "int4"),
+    C("profile steps", lambda t, w: _train(t, "--profile-steps", "5"), CONFIG, "profile"),
+    C("eval task kind", lambda t, w: ["eval", str(w.run), "--task", f"nokind:{w.docs}"], DATA, "nokind"),
+    C("eval tokens flag", lambda t, w: ["eval", str(w.run), "--tokens", str(w.shards)], CONFIG, "--tokens"),
+    C("plan mesh", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=x"], CONFIG, "fsdp"),
+    C("serve batch", lambda t, w: ["serve", str(w.run), "--max-batch", "0"], CONFIG, "--max-batch"),
+    C("no such step", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--step", "99"], RUNDIR, "99"),
+    # data files
+    C("missing documents", lambda t, w: ["data", "filter", str(t / "none.jsonl"), "--out", str(t / "o")], DATA, "none.jsonl"),
+    C("malformed documents", lambda t, w: ["data", "filter", str(_write(t / "d.jsonl", "{oops\n[1]\n")), "--out", str(t / "o")], DATA, "d.jsonl"),
+    C("text field", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--text-field", "body"], DATA, "body"),
+    C("stage setting", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--set", "threshold=2"], CONFIG, "threshold"),
+    C("tiny vocab", lambda t, w: ["data", "tokenizer-train", str(w.docs), "--out", str(t / "o"), "--set", "vocab_size=10"], CONFIG, "vocab_size"),
+    C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "exists"),
+    C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
+    C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none"),
+    C("float tokens", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.zeros(4096, np.float32))}"), DATA, "t.npy"),
+    C("ids past vocab", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.full(4096, 900, np.int32))}"), DATA, "vocab"),
+    C("vocab below tokenizer", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=100"), DATA, "vocab"),
+    # shard directories and manifests
+    C("no manifest", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'no manifest')}"), DATA, "manifest"),
+    C("manifest json", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest json')}"), DATA, "manifest"),
+    C("manifest field", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest field')}"), DATA, "manifest"),
+    C("missing shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'missing shard')}", "model.vocab_size=320"), DATA, "shard"),
+    C("truncated shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'truncated')}", "model.vocab_size=320"), DATA, "shard"),
+    C("verify corrupt", lambda t, w: ["data", "verify", str(_corrupt_shards(t, w))], DATA, "corrupt"),
+    # tokenizer files
+    C("tokenizer json", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(_bad_tokenizer(t))], DATA, "tokenizer.json"),
+    C("tokenizer dir empty", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(t)], DATA, "tokenizer"),
+    C("tokenizer too big", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(_big_tokenizer(t))], DATA, "vocab"),
+    # Hugging Face directories
+    C("hf no config", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "no config")), str(t / "o")], DATA, "config.json"),
+    C("hf config json", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "config json")), str(t / "o")], DATA, "config.json"),
+    C("hf model type", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "model type")), str(t / "o")], DATA, "gpt2"),
+    C("hf heads", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "heads")), str(t / "o")], DATA, "heads"),
+    C("hf truncated weights", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "truncated weights")), str(t / "o")], DATA, "safetensors"),
+    C("hf no weights", lambda t, w: ["generate", str(_broken_hf(t, w, "no weights")), "--prompt", "a"], RUNDIR, "safetensors"),
+    C("import into existing", lambda t, w: ["import", "hf", str(w.hf), str(_copy(w.shards, t / "o"))], FS, "exists"),
+    # checkpoints and run directories
+    C("not a model dir", lambda t, w: ["export", "hf", str(t), str(t / "o")], RUNDIR, "config"),
+    C("no checkpoints", lambda t, w: ["generate", str(_no_checkpoints(t, w)), "--prompt", "a"], RUNDIR, "checkpoint"),
+    C("resume another model", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "model.hidden_size=32"], RUNDIR, "hidden_size"),
+    C("run dir exists", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), f"data.train_tokens={w.shards}", "model.vocab_size=320"], RUNDIR, "already holds a run"),
+    C("init_from another shape", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "model.hidden_size=32", f"train.init_from={w.run}"), CONFIG, "init_from"),
+    C("checkpoint flipped", lambda t, w: ["export", "hf", str(_flipped_run(t, w)), str(t / "o")], RUNDIR, "sha256"),
+    C("checkpoint flipped generate", lambda t, w: ["generate", str(_flipped_run(t, w)), "--prompt", "a"], RUNDIR, "sha256"),
+    C("init_from flipped", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", f"train.init_from={_flipped_run(t, w)}"), RUNDIR, "sha256"),
+    C("sidecar unreadable", lambda t, w: ["eval", str(_bad_sidecar(t, w)), "--tokens", f"v={w.shards}"], RUNDIR, "unreadable"),
+    C("resume another seed", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.seed=5"], RUNDIR, "train.seed"),
+    C("resume another batch", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.global_batch_size=16"], RUNDIR, "global_batch_size"),
+    C("shard flipped", lambda t, w: _train(t, f"data.train_tokens={_corrupt_shards(t, w)}", "model.vocab_size=320"), DATA, "shard-00000"),
+    # chat JSONL
+    C("chat role", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "bot", "content": "x"}]}\n'), DATA, "role"),
+    C("chat not json", lambda t, w: _chat_cfg(t, w, "hello\n"), DATA, "chats.jsonl"),
+    C("chat empty", lambda t, w: _chat_cfg(t, w, ""), DATA, "chats.jsonl"),
+    C("chat no assistant", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "user", "content": "x"}]}\n'), DATA, "assistant"),
+    C("chat missing file", lambda t, w: [*_chat_cfg(t, w, ""), f"data.chat.train={t / 'none.jsonl'}"], DATA, "none.jsonl"),
+    # pipeline YAML
+    C("pipeline kind", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: nosuch}\n")], CONFIG, "nosuch"),
+    C("pipeline reference", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: '@nope'}}\n")], CONFIG, "nope"),
+    C("pipeline duplicate", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: stdlib}\n  - {name: a, kind: stdlib}\n")], CONFIG, "a"),
+    C("pipeline cycle", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: '@b'}}\n  - {name: b, kind: filter, inputs: {documents: '@a'}}\n")], CONFIG, "cycle"),
+    C("pipeline step config", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: x}, config: {profil: prose}}\n")], CONFIG, "profil"),
+    C("pipeline missing", lambda t, w: ["run", str(t / "none.yaml")], CONFIG, "none.yaml"),
+    C("reproduce nothing", lambda t, w: ["reproduce", str(t), "--root", str(t / "again")], DATA, "provenance"),
+    C("prepare yaml", lambda t, w: ["data", "prepare", _yaml(t, "inputs: [a.jsonl]\nout: o\nfiltr: {}\n")], CONFIG, "filtr"),
+    # serving, export and planning flags
+    C("serve port", lambda t, w: ["serve", str(w.run), "--port", "70000"], CONFIG, "--port"),
+    C("serve max len", lambda t, w: ["serve", str(w.run), "--max-len", "100000"], CONFIG, "--max-len"),
+    C("serve body limit", lambda t, w: ["serve", str(w.run), "--max-body-mb", "0"], CONFIG, "--max-body-mb"),
+    C("stablehlo batch", lambda t, w: ["export", "stablehlo", str(w.run), str(t / "o"), "--batch", "0"], CONFIG, "--batch"),
+    C("stablehlo platform", lambda t, w: ["export", "stablehlo", str(w.run), str(t / "o"), "--platforms", "gpu9"], CONFIG, "gpu9"),
+    C("export into existing", lambda t, w: ["export", "hf", str(w.run), str(_copy(w.shards, t / "o"))], FS, "exists"),
+    C("plan device", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--device", "tpu-v9"], CONFIG, "tpu-v9"),
+    C("plan mfu", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--mfu", "2"], CONFIG, "--mfu"),
+    C("eval sequences", lambda t, w: ["eval", str(w.run), "--tokens", f"v={w.shards}", "--max-sequences", "0"], CONFIG, "--max-sequences"),
+    C("bytes max", lambda t, w: ["data", "bytes", "--out", str(t / "b.npy"), "--max-bytes", "-5"], CONFIG, "--max-bytes"),
+    C("bad fraction", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--max-bad-fraction", "2"], CONFIG, "--max-bad-fraction"),
+    C("zero workers", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--workers", "0"], CONFIG, "--workers"),
+    C("shard size", lambda t, w: ["export", "hf", str(w.run), str(t / "o"), "--max-shard-gb", "0"], CONFIG, "--max-shard-gb"),
+    C("plan tokens", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--tokens", "-1"], CONFIG, "--tokens"),
+    C("plan layers", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--compile-layers", "0"], CONFIG, "--compile-layers"),
+    C("launch devices", lambda t, w: ["launch", "--processes", "2", "--devices-per-process", "0", "tiny"], CONFIG, "--devices-per-process"),
+    C("serve tokens per call", lambda t, w: ["serve", str(w.run), "--tokens-per-call", "0"], CONFIG, "--tokens-per-call"),
+    C("eval task file", lambda t, w: ["eval", str(w.run), "--task", f"mc:{_write(t / 'mc.jsonl', '{oops')}"], DATA, "mc.jsonl"),
+]
+# fmt: on
+
+
+def _npy(t: Path, array: np.ndarray) -> Path:
+    np.save(t / "t.npy", array)
+    return t / "t.npy"
+
+
+def _corrupt_shards(t: Path, w: World) -> Path:
+    shards = _copy(w.shards, t / "shards")
+    _flip_byte(_shard_file(shards))
+    return shards
+
+
+def _bad_tokenizer(t: Path) -> Path:
+    (t / "tok").mkdir()
+    _write(t / "tok" / "tokenizer.json", '{"model": ')
+    return t / "tok"
+
+
+def _big_tokenizer(t: Path) -> Path:
+    from hf_fixtures import write_bpe
+
+    return write_bpe(t / "tok", vocab_size=700)  # more ids than the run's 320-entry vocabulary
+
+
+def _flipped_run(t: Path, w: World) -> Path:
+    run = _copy(w.run, t / "run")
+    biggest = max(
+        (p for p in (run / "checkpoints").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    _flip_byte(biggest)
+    return run
+
+
+def _bad_sidecar(t: Path, w: World) -> Path:
+    run = _copy(w.run, t / "run")
+    _write(run / "checkpoints" / "1.sha256.json", '{"default/": ')
+    return run
+
+
+def _no_checkpoints(t: Path, w: World) -> Path:
+    run = _copy(w.run, t / "run")
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").mkdir()
+    return run
+
+
+def _snapshot(*roots: Path) -> dict[str, str]:
+    """Every file under `roots` with its sha256, and every directory (so a new empty one shows)."""
+    seen = {}
+    for root in roots:
+        for p in sorted(root.rglob("*")):
+            seen[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return seen
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_gives_one_line_and_changes_nothing(case, world, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a command that writes a relative default would write here
+    argv = case.argv(tmp_path, world)
+    capsys.readouterr()
+    before = _snapshot(world.root, tmp_path)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == case.code, f"exit {code}, expected {case.code}; stderr: {err!r}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one line: {err!r}"
+    assert "Traceback" not in err + out
+    assert case.says.lower() in lines[0].lower(), f"{lines[0]!r} does not name {case.says!r}"
+    assert _snapshot(world.root, tmp_path) == before, "a file changed or a partial output was left"
+
+
+def test_the_corpus_covers_every_kind_of_input():
+    assert len(CASES) >= 45 and len({c.id for c in CASES}) == len(CASES)
