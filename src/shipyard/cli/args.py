@@ -94,12 +94,6 @@ def _checked(parse, check, what: str):
     return arg
 
 
-def _at_least_one(value: int) -> int:
-    if value < 1:
-        raise ValueError(f"must be at least 1, got {value}")
-    return value
-
-
 def whole_number(minimum: int = 1):
     """An argparse `type`: a whole number of at least `minimum` (a count, a size, a number of workers)."""
 
@@ -153,9 +147,7 @@ def add_sampling_flags(
     when neither it nor the model's generation_config.json gives one."""
     temperature, top_k, top_p = defaults
     model = "default: the model's generation_config.json, else "
-    p.add_argument(
-        "--max-new-tokens", type=_checked(int, _at_least_one, "a whole number"), default=default_max_new
-    )
+    p.add_argument("--max-new-tokens", type=whole_number(1), default=default_max_new)
     p.add_argument(
         "--temperature",
         type=_checked(float, _sampling_rule("check_temperature"), "a number"),
