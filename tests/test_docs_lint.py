@@ -45,6 +45,7 @@ ARCH = """# Architecture (planted drift)
 `model/transformer.py` exists, `model/no_such_module.py` does not.
 `model.sliding_window` is a config key, `model.sliding_windw` is not, and `moe.bias_update_rate` is one.
 `peft.PeftModel.from_pretrained` and `jax.distributed` belong to other libraries.
+`tests/test_train.py: test_bad_token_file` backs a claim; `tests/test_train.py: test_bad_token_files` backs none.
 """
 
 
@@ -106,6 +107,7 @@ def test_code_references_are_checked(planted_run):
         "make_train_step(cfg)`": "also requires optimizer",
         "no_such_module.py": "no such file",
         "model.sliding_windw": "has no field `sliding_windw`",
+        "test_bad_token_files`": "defines no `test_bad_token_files` (did you mean `test_bad_token_file`?)",
     }
     for name, why in expect.items():
         assert any(name in o and why in o for o in arch), (name, arch)

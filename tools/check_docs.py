@@ -34,7 +34,8 @@ blocks. Plain prose is never checked.
    the repository root, src/shipyard/ (the package layout `model/transformer.py`), src/ and the doc's
    directory; `*` globs must match something. Tokens with placeholders (`<run>`, `{`, `...`) are skipped.
 4. Code references (inline spans). Forms:
-   - `path.py: name` / `path.py:name` (e.g. `parallel/mesh.py: DEFAULT_RULES`),
+   - `path.py: name` / `path.py:name` (e.g. `parallel/mesh.py: DEFAULT_RULES`; a repository file
+     outside the package, such as `tests/test_train.py: test_bad_token_file`, is parsed the same way),
    - `path/module.Name` (e.g. `train/finetune.Partition`),
    - `dotted.module:name`,
    - dotted names `a.b.c` (e.g. `transformer.layer_windows`, `shipyard.interop.hf.load_run_params`).
@@ -789,6 +790,9 @@ class Checker:
                 mod_path = mm.group(1).removesuffix(".py")
                 mods = self.code.modules_named(mod_path.split("/"))
             if not mods:
+                if m:  # another Python file of the repository (tests/, bench/, tools/): its top level
+                    why = _top_level_problem(self.root / mm.group(1), mm.group(2).split(".")[0])
+                    return [Problem(display, c.line, text, why)] if why else []
                 return []  # not a module of shipyard: a missing .py file is reported as a path
             whys = []
             for mod in mods:
@@ -827,6 +831,36 @@ class Checker:
             if why:
                 probs.append(Problem(display, c.line, dm.group(0), why))
         return probs
+
+
+@functools.cache
+def _top_level_names(path: Path) -> frozenset[str] | None:
+    """Names a Python file defines at its top level (def, class, assignment, import), or None."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(names)
+
+
+def _top_level_problem(path: Path, name: str) -> str | None:
+    """Why `path.py: name` names nothing (a repository file outside the package, e.g. a test)."""
+    names = _top_level_names(path)
+    if names is None:
+        return None  # a missing file is reported as a path
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"{path.name} defines no `{name}`" + (f" (did you mean `{close[0]}`?)" if close else "")
 
 
 @functools.cache
