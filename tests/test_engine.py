@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import run_requests
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
@@ -25,26 +24,7 @@ def _prompts(vocab):
 
 
 def _run(engine: Engine, prompts, sampling) -> list[tuple[list[int], str]]:
-    """Submit everything at once (more requests than slots); (tokens, finish) per request."""
-    results: dict[int, tuple[list[int], str]] = {}
-    done = threading.Event()
-
-    def collect(i):
-        acc: list[int] = []
-
-        def on_tokens(tokens, _logprobs, finish):
-            acc.extend(tokens)
-            if finish:
-                results[i] = (acc, finish)
-                if len(results) == len(prompts):
-                    done.set()
-
-        return on_tokens
-
-    for i, (p, s) in enumerate(zip(prompts, sampling)):
-        engine.submit(Request(p, s, collect(i)))
-    assert done.wait(120)
-    return [results[i] for i in range(len(prompts))]
+    return run_requests(engine, prompts, sampling)
 
 
 @pytest.mark.parametrize(

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import run_requests
 from model_fixtures import noisy_params
 
 from shipyard.cli.main import build_parser, main
 from shipyard.config import load_config
 from shipyard.errors import ConfigError
-from shipyard.inference.engine import Engine, Request, Sampling, sample_rows
+from shipyard.inference.engine import Engine, Sampling, sample_rows
 from shipyard.inference.generate import Generator, sample
 from shipyard.inference.sampling import filter_logits
 from shipyard.model.transformer import logits as model_logits
@@ -266,25 +266,7 @@ def test_generator_samples_stay_inside_the_set_at_every_position(tiny):
 
 
 def _engine_run(engine: Engine, prompts, sampling) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-    done = threading.Event()
-
-    def collect(i):
-        acc: list[int] = []
-
-        def on_tokens(tokens, _logprobs, finish):
-            acc.extend(tokens)
-            if finish:
-                results[i] = acc
-                if len(results) == len(prompts):
-                    done.set()
-
-        return on_tokens
-
-    for i, (p, s) in enumerate(zip(prompts, sampling)):
-        engine.submit(Request(p, s, collect(i)))
-    assert done.wait(120)
-    return [results[i] for i in range(len(prompts))]
+    return [tokens for tokens, _finish in run_requests(engine, prompts, sampling)]
 
 
 def test_engine_greedy_equivalents_and_samples_inside_the_set(tiny):
