@@ -4,20 +4,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 
 from shipyard.config import MeshConfig, load_config
 from shipyard.data.loader import build_loader
-from shipyard.model.params import init_params, param_shardings
-from shipyard.model.transformer import param_specs
+from shipyard.model.params import init_params
 from shipyard.parallel.distributed import settings
-from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
-from shipyard.train.optim import build_optimizer
-from shipyard.train.step import init_state, make_train_step
+from shipyard.parallel.mesh import logical_to_pspec, make_mesh
+from shipyard.train.program import TrainProgram, activation_sharding, build_program
+from shipyard.train.step import TrainState, init_state, make_gradient_fn
 
 MESHES = {
     "data=8": dict(data=8),
@@ -27,57 +28,98 @@ MESHES = {
 }
 
 
-def _run(cfg, mesh_cfg, devices, tokens, steps=5):
-    mesh = make_mesh(mesh_cfg, devices)
-    rules = rules_for(mesh_cfg)
-    specs = param_specs(cfg.model)
-    shardings = param_shardings(specs, mesh, rules)
-    opt = build_optimizer(cfg.train, specs)
-    state = init_state(cfg, init_params(specs, jax.random.key(0), shardings), opt)
-    B, L = cfg.train.global_batch_size, cfg.data.seq_len
-    batch_sh = NamedSharding(mesh, logical_to_pspec(("batch", "seq"), (B, L + 1), mesh, rules))
-    act = NamedSharding(
-        mesh, logical_to_pspec(("batch", "seq", "embed"), (B, L, cfg.model.hidden_size), mesh, rules)
+@dataclass
+class Run:
+    """What a few real train steps on one mesh produced."""
+
+    state: TrainState
+    losses: list[float]
+    grad_norms: list[float]
+    gradients: list
+    """The full-batch gradients (host arrays) at the initial params and at the final params."""
+    program: TrainProgram
+
+
+def _run(cfg, mesh_cfg, devices, tokens, steps=5) -> Run:
+    """`steps` steps of the train program of `cfg` on a mesh over `devices`, plus the gradients of
+    its real gradient function (train/step.py, with the program's shardings) before and after."""
+    cfg = cfg.model_copy(update={"mesh": mesh_cfg})
+    program = build_program(cfg, make_mesh(mesh_cfg, devices))
+    state = init_state(
+        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
     )
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(
-        make_train_step(cfg, opt, None, act),
-        in_shardings=(state_sh, {"tokens": batch_sh, "loss_mask": batch_sh}),
-        out_shardings=(state_sh, None),
-        donate_argnums=0,
+    B, L = cfg.train.global_batch_size, cfg.data.seq_len
+    act = activation_sharding(cfg, program.mesh, program.rules, B)
+    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
+    gradients = jax.jit(
+        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
+        in_shardings=(program.shardings, program.batch_shardings),
     )
     loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
-    mask = jax.device_put(np.ones((B, L), np.float32), batch_sh)
-    losses = []
+
+    def batch(s):
+        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((B, L), np.float32)}
+        return jax.device_put(host, program.batch_shardings)
+
+    grads = [jax.device_get(gradients(state.params, batch(0)))]
+    losses, grad_norms = [], []
     for s in range(steps):
-        state, m = step(
-            state, {"tokens": jax.device_put(loader.global_batch(s), batch_sh), "loss_mask": mask}
-        )
+        state, m = program.train_step(state, batch(s), None)
         losses.append(float(m["loss"]))
-    return state, losses, specs, mesh, rules
+        grad_norms.append(float(m["grad_norm"]))
+    grads.append(jax.device_get(gradients(state.params, batch(steps))))
+    return Run(state, losses, grad_norms, grads, program)
 
 
 @pytest.fixture(scope="module")
 def reference(byte_tokens):
     cfg = load_config("tiny", ["train.global_batch_size=8", "data.seq_len=64"])
-    state, losses, *_ = _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
-    return cfg, jax.device_get(state.params), losses
+    return cfg, _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+
+
+def _assert_optimizer_state_laid_out_like_params(run: Run) -> None:
+    """Every optimizer moment that mirrors a parameter has that parameter's sharding."""
+    pairs = []
+    optax.tree_map_params(
+        run.program.optimizer,
+        lambda moment, param: pairs.append((moment, param)),
+        run.state.opt_state,
+        run.state.params,
+        transform_non_params=lambda x: x,
+    )
+    assert len(pairs) >= 2 * len(jax.tree.leaves(run.state.params))  # AdamW's mu and nu at least
+    for moment, param in pairs:
+        assert moment.shape == param.shape
+        assert moment.sharding.is_equivalent_to(param.sharding, param.ndim), (moment.sharding, param.sharding)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_sharded_steps_equal_one_device(reference, byte_tokens, name):
-    cfg, ref_params, ref_losses = reference
-    state, losses, specs, mesh, rules = _run(cfg, MeshConfig(**MESHES[name]), jax.devices(), byte_tokens)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
+    cfg, ref = reference
+    run = _run(cfg, MeshConfig(**MESHES[name]), jax.devices(), byte_tokens)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+    # AdamW and clipping hide a constant gradient scale (a sum over shards instead of a mean) from
+    # losses and params; the gradients themselves do not.
+    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
+    for got_tree, want_tree in zip(run.gradients, ref.gradients):
+        for (path, got), want in zip(
+            jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
+        ):
+            error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+            assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    for got, want in zip(
+        jax.tree.leaves(jax.device_get(run.state.params)), jax.tree.leaves(ref.state.params)
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # every parameter is laid out exactly as the rules say
-    for spec, arr in zip(jax.tree.leaves(specs), jax.tree.leaves(state.params)):
+    # every parameter is laid out exactly as the rules say, and its optimizer moments like it
+    mesh, rules = run.program.mesh, run.program.rules
+    for spec, arr in zip(jax.tree.leaves(run.program.specs), jax.tree.leaves(run.state.params)):
         want = logical_to_pspec(spec.logical_axes, spec.shape, mesh, rules)
         assert arr.sharding.is_equivalent_to(NamedSharding(mesh, want), arr.ndim), (
             spec.logical_axes,
             arr.sharding,
         )
+    _assert_optimizer_state_laid_out_like_params(run)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -85,7 +127,7 @@ def test_fsdp8_each_device_holds_an_eighth(byte_tokens, optimizer):
     cfg = load_config(
         "tiny", ["train.global_batch_size=8", "data.seq_len=64", f"train.optimizer.name={optimizer}"]
     )
-    state, *_ = _run(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1)
+    state = _run(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1).state
     for tree in (state.params, state.opt_state):
         total = on_device0 = 0
         for leaf in jax.tree.leaves(tree):
