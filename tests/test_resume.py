@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from kill_fixtures import final_params, logged_losses, start_train
 
 from shipyard.cli.main import main
 from shipyard.config import CheckpointConfig, load_config
@@ -25,9 +26,7 @@ RUN = ["train.logging.progress=false", "train.logging.log_every=1", "train.check
 
 
 def _losses(run_dir):
-    return {
-        r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    }
+    return logged_losses(run_dir)
 
 
 def _small_state(value):
@@ -160,22 +159,12 @@ def test_in_loop_validation_loss_is_logged(tmp_path, byte_tokens):
 
 
 def _cli(run_dir, tokens, *extra):
-    env = dict(os.environ, XLA_FLAGS="", SHIPYARD_NO_REEXEC="1")  # one device: the fastest here
-    argv = [
-        sys.executable,
-        "-m",
-        "shipyard.cli.main",
-        "train",
-        "tiny",
-        f"data.train_tokens={tokens}",
-        "train.steps=40",
-    ]
-    argv += ["train.global_batch_size=16", *RUN, "--run-dir", str(run_dir), *extra]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ["tiny", f"data.train_tokens={tokens}", "train.steps=40", "train.global_batch_size=16", *RUN]
+    return start_train(run_dir, [*args, *extra])  # one device: the fastest here
 
 
 def _final_params(run_dir):
-    return jax.tree.leaves(restore(run_dir / "checkpoints", 40, None)["params"])
+    return final_params(run_dir, 40)
 
 
 @pytest.fixture(scope="module")
