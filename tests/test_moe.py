@@ -235,7 +235,8 @@ def _skewed_training(rate: float, steps: int = 16) -> tuple[list, list]:
         embed=params.embed + 0.1 * u,
         moe_blocks=replace(params.moe_blocks, moe=replace(moe, router=router)),
     )
-    state = init_state(cfg, params, program.optimizer)
+    # On the program's shardings, as the trainer places them (else the second step recompiles).
+    state = init_state(cfg, jax.device_put(params, program.shardings), program.optimizer)
     B, L = cfg.train.global_batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
     metrics, biases = [], []
