@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from kill_fixtures import final_params, logged_losses, start_train
+from kill_fixtures import final_params, logged_losses, logged_rows, start_train
 
 from shipyard.cli.main import main
 from shipyard.config import CheckpointConfig, load_config
@@ -267,6 +267,8 @@ def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, st
     assert proc.returncode == 0 and "resumed from checkpoint" in out and "unusable" not in out, out
     a, b = _losses(straight), _losses(run)
     assert sorted(b) == list(range(40)) and all(a[s] == b[s] for s in range(40))  # bitwise: float equality
+    # each step logged once, in order: the killed run's steps after its checkpoint were dropped
+    assert [r["step"] for r in logged_rows(run)] == list(range(40))
     for x, y in zip(_final_params(straight), _final_params(run)):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
