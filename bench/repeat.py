@@ -20,10 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
+LABELS = ("variant", "name", "stage", "mode")
+"""Fields that name a row of a result's table (`results: [{variant: ..., tokens_per_s: ...}, ...]`)."""
+
 
 def numbers(result: dict, prefix: str = "") -> dict[str, float]:
-    """The scalar numbers of a result, nested dicts flattened with dots (lists of samples are skipped:
-    they are a run's own rounds, already summarised by that run)."""
+    """The scalar numbers of a result, nested dicts and tables of rows flattened with dots (lists of
+    plain numbers are skipped: they are a run's own rounds, already summarised by that run)."""
     found = {}
     for key, value in result.items():
         name = f"{prefix}{key}"
@@ -33,6 +36,10 @@ def numbers(result: dict, prefix: str = "") -> dict[str, float]:
             found[name] = float(value)
         elif isinstance(value, dict):
             found.update(numbers(value, f"{name}."))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, row in enumerate(value):  # a table of variants: each row named by its label
+                label = next((row[k] for k in LABELS if isinstance(row.get(k), str)), str(i))
+                found.update(numbers(row, f"{name}.{label}."))
     return found
 
 
@@ -55,13 +62,13 @@ def main() -> int:
     ap.add_argument("script", type=Path, help="a bench/*.py that takes --out and writes one JSON object")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, help="default: bench/results/<script name>.repeat.json")
-    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: passed to the benchmark")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after --: the benchmark's own arguments
+    args, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if args.runs < 1:
         ap.error(f"--runs {args.runs}: expected at least 1")
     if not args.script.is_file():
         ap.error(f"{args.script}: no such benchmark script")
-    extra = [a for a in args.bench_args if a != "--"]
     out = args.out or Path("bench/results") / f"{args.script.stem}.repeat.json"
     runs, started = [], time.strftime("%Y-%m-%dT%H:%M:%S")
     with tempfile.TemporaryDirectory() as tmp:
