@@ -246,6 +246,41 @@ def test_second_ctrl_c_stops_at_once_with_130():
     assert "Traceback" not in proc.stderr
 
 
+_CTRL_C_DURING_THE_MESSAGE = """
+import os, signal, time
+from shipyard.train.loop import StopSignal
+
+class Hurried(StopSignal):
+    sent = False
+
+    def _say(self, line):
+        if not Hurried.sent:  # Ctrl-C again while the first one's line is being written:
+            Hurried.sent = True
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs that handler inside this one
+        super()._say(line)
+
+with Hurried():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("still running after the second Ctrl-C", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_during_the_first_ones_message_still_stops_at_once():
+    """The slow SIGINT-twice case once exited 0: its second Ctrl-C came while the first handler was
+    still writing, before it had marked the first as received."""
+    env = dict(os.environ, XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_DURING_THE_MESSAGE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130 and "still running" not in proc.stdout, (proc.returncode, proc.stderr)
+    assert "SIGINT again: stopped at once" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", SIGNALS, ids=["SIGKILL", "SIGTERM", "SIGINT", "SIGINT-twice"])
 def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, straight, sig):

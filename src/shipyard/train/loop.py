@@ -221,11 +221,13 @@ class StopSignal:
                 f"newest complete checkpoint{where}"
             )
             os._exit(INTERRUPTED_EXIT)
-        if self.received is None:
+        first, self.received = self.received is None, signum
+        # Marked received before saying so: a second Ctrl-C can arrive while this handler is still
+        # writing, and Python runs that handler inside this one; it must see the first.
+        if first:
             again = " (Ctrl-C again: stop at once without it)" if signum == signal.SIGINT else ""
             name = signal.Signals(signum).name
             self._say(f"shipyard: {name} received: saving a checkpoint after this step, then stopping{again}")
-        self.received = signum
 
     def _say(self, line: str) -> None:
         if self.main:  # on a new line: a progress bar may be drawn on the current one
