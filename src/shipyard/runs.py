@@ -400,27 +400,21 @@ def check_init_from(cfg: Config) -> None:
 
 
 def _same_model(theirs: Config, ours: Config, path: Path) -> None:
-    import jax
-
-    from shipyard.model.params import is_spec
     from shipyard.model.transformer import param_specs
 
-    def shapes(c: Config) -> dict:
-        leaves = jax.tree_util.tree_flatten_with_path(param_specs(c.model), is_leaf=is_spec)[0]
-        return {jax.tree_util.keystr(p): tuple(s.shape) for p, s in leaves}
+    _same_shapes(param_specs(theirs.model), _shape_table(param_specs(ours.model)), str(path))
 
-    got, want = shapes(theirs), shapes(ours)
-    if got != want:
-        raise ConfigError(
-            f"train.init_from: {path} holds a different model (e.g. embed {got.get('.embed')}, "
-            f"expected {want.get('.embed')}); use the base model's config"
-        )
+
+def _shape_table(tree) -> dict:
+    """{path: shape} of a tree of arrays, abstract arrays or ArraySpecs."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in leaves}
 
 
 def _same_shapes(params, shapes: dict, what: str):
-    import jax
-
-    got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = _shape_table(params)
     if got != shapes:
         raise ConfigError(
             f"train.init_from: {what} holds a different model (e.g. embed {got.get('.embed')}, "
@@ -444,7 +438,7 @@ def load_init_params(path: str | Path, specs, shardings):
             f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
         )
     target = abstract_params(specs, shardings)
-    shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
+    shapes = _shape_table(target)
     if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
         params = open_model_dir(path, "train.init_from").load(to_host=False, what="train.init_from").params
         return jax.device_put(_same_shapes(params, shapes, f"the run {path}"), shardings)
