@@ -196,6 +196,21 @@ class ChatDataConfig(Schema):
     """Pack several conversations into each sequence (attention and positions restart at each one); false: one conversation per sequence, padded."""
 
 
+class PreferenceDataConfig(Schema):
+    """Preference pairs for DPO / SimPO: a prompt, a preferred and a dispreferred reply, rendered with a chat template."""
+
+    train: str
+    """JSONL file, one pair per line: {"prompt": "..." | "messages": [...], "chosen": "...", "rejected": "..."} (messages end with a user turn; replies are the assistant's next turn)."""
+    validation: str | None = None
+    """Held-out pairs (same format) for the in-loop preference metrics (train.eval_every)."""
+    tokenizer: str | None = None
+    """tokenizer.json (or a directory holding one); null takes the tokenizer of train.init_from."""
+    template: Literal["auto", "hf", "shipyard", "chatml", "llama3"] = "auto"
+    """Chat template the pairs are rendered with (as data.chat.template)."""
+    pack: bool = True
+    """Pack several pairs into each sequence (each reply attends to its own prompt only); false: one pair per sequence."""
+
+
 class DataConfig(Schema):
     """Where training tokens come from and how sequences are cut."""
 
@@ -217,6 +232,8 @@ class DataConfig(Schema):
     """Check each token shard's sha256 against its manifest before training (hashed once per shard, then remembered per user until the file changes); false skips the hashes (byte sizes are always checked) and is recorded in provenance.json."""
     chat: ChatDataConfig | None = None
     """Chat conversations (SFT) instead of token shards: loss on assistant tokens only; set train_tokens and mixture to null."""
+    preference: PreferenceDataConfig | None = None
+    """Preference pairs (DPO / SimPO, with train.preference) instead of token shards or chats; set train_tokens and mixture to null."""
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:
@@ -225,6 +242,11 @@ class DataConfig(Schema):
         if self.chat is not None and (self.train_tokens is not None or self.mixture):
             raise ValueError(
                 "chat: SFT trains on chat conversations only; set data.train_tokens: null and data.mixture: []"
+            )
+        if self.preference is not None and (self.train_tokens is not None or self.mixture or self.chat):
+            raise ValueError(
+                "preference: preference tuning trains on preference pairs only; set data.train_tokens: null, "
+                "data.mixture: [] and data.chat: null"
             )
         return self
 
@@ -348,6 +370,21 @@ class LoraConfig(Schema):
         return self
 
 
+class PreferenceConfig(Schema):
+    """Preference tuning on data.preference pairs: DPO against a frozen reference, or reference-free SimPO."""
+
+    loss: Literal["dpo", "simpo"] = "dpo"
+    """dpo: -log sigmoid(beta [(pi_c - ref_c) - (pi_r - ref_r)]) on summed reply log-probs (Rafailov et al., 2023); simpo: -log sigmoid(beta (pi_c / |c| - pi_r / |r|) - gamma) on length-normalised log-probs, no reference (Meng et al., 2024)."""
+    beta: float = Field(0.1, gt=0)
+    """Inverse temperature of the implicit reward (DPO: 0.1 typical; SimPO: 2.0 typical)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO: the assumed probability that a pair's labels are flipped (0 is plain DPO)."""
+    gamma: float = Field(0.5, ge=0)
+    """SimPO's target reward margin (ignored by dpo)."""
+    reference: Literal["cached", "on_the_fly"] = "cached"
+    """dpo: cached computes the reference log-probs of every pair once before step 0 and stores them in the run directory (reused on resume); on_the_fly runs the frozen reference forward in every step."""
+
+
 class FinetuneConfig(Schema):
     """What trains: LoRA adapters on a frozen model, or only the last layers; the rest stays bitwise fixed."""
 
@@ -357,11 +394,21 @@ class FinetuneConfig(Schema):
     """Train only the last this many transformer blocks (plus the final norm and untied head, see train_head); earlier layers and the embedding are frozen and get no backward pass."""
     train_head: bool = True
     """With train_last_layers: also train the final norm and the output head (a tied head is the embedding and stays frozen)."""
+    quantize_base: Literal["nf4", "int8"] | None = None
+    """QLoRA: hold the frozen base quantized on the device (nf4: 4-bit NormalFloat, blockwise absmax; int8: per output channel), quantized once at the start and dequantized inside each matmul; needs lora."""
+    quant_block: int = Field(64, gt=0)
+    """nf4: weights per absmax block."""
+    double_quant: bool = False
+    """nf4: also quantize the blocks' fp32 absmax scales to 8 bits (blocks of 256), as QLoRA's double quantization."""
 
     @model_validator(mode="after")
     def _check_one(self) -> FinetuneConfig:
         if self.lora is not None and self.train_last_layers is not None:
             raise ValueError("lora: choose LoRA or train_last_layers, not both")
+        if self.quantize_base is not None and self.lora is None:
+            raise ValueError(
+                f"quantize_base: {self.quantize_base} quantizes the frozen base for QLoRA; set lora too"
+            )
         if self.lora is None and self.train_last_layers is None:
             raise ValueError(
                 "lora: set lora or train_last_layers (or leave train.finetune null for full training)"
@@ -398,6 +445,10 @@ class TrainConfig(Schema):
     """Start from these params instead of a random init: a run directory (its newest checkpoint) or the output of `shipyard import hf`; optimizer state starts fresh."""
     finetune: FinetuneConfig | None = None
     """Parameter-efficient fine-tuning (LoRA, or only the last layers); null trains every parameter."""
+    preference: PreferenceConfig | None = None
+    """Preference tuning (DPO / SimPO) on data.preference instead of next-token loss; null: next-token training."""
+    resize_vocab: bool = False
+    """With train.init_from and a different tokenizer: resize the embedding (and untied head) to model.vocab_size, copy the rows of tokens whose strings both vocabularies share, start the others at the mean embedding. Without it a vocabulary mismatch is refused."""
     eval_every: int | None = Field(None, gt=0)
     """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
     eval_batches: int = Field(4, gt=0)
@@ -497,11 +548,23 @@ class Config(Schema):
 
     @model_validator(mode="after")
     def _check_eval(self) -> Config:
-        chat_val = self.data.chat is not None and self.data.chat.validation is not None
+        chat_val = any(
+            d is not None and d.validation is not None for d in (self.data.chat, self.data.preference)
+        )
         if self.train.eval_every is not None and self.data.validation_tokens is None and not chat_val:
             raise ValueError(
-                "train.eval_every: set data.validation_tokens (or data.chat.validation) to evaluate on, "
+                "train.eval_every: set data.validation_tokens (or data.chat.validation, data.preference.validation) to evaluate on, "
                 "or leave eval_every null"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_preference(self) -> Config:
+        has_pairs, has_loss = self.data.preference is not None, self.train.preference is not None
+        if has_pairs != has_loss:
+            raise ValueError(
+                "train.preference: preference tuning needs both data.preference (the pairs) and "
+                "train.preference (the loss); set both or neither"
             )
         return self
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from shipyard.config import FinetuneConfig, ModelConfig
 from shipyard.model.lora import as_lora_params, lora_specs, merge_into_base
-from shipyard.model.params import ArraySpec, init_params, is_spec
+from shipyard.model.params import ArraySpec, abstract_params, init_params, is_spec, param_shardings
 from shipyard.model.transformer import TransformerParams, param_specs
 
 
@@ -99,6 +99,21 @@ class Partition:
             return None
         full = param_specs(self.model)
         return full if self.kind == "lora" else self._split_layers(full, _spec_rows)[1]
+
+    def frozen_shardings(self, mesh, rules):
+        """Shardings of the frozen part on `mesh` (None for full training)."""
+        specs = self.frozen_specs()
+        return None if specs is None else param_shardings(specs, mesh, rules)
+
+    def abstract_frozen(self, shardings):
+        """The frozen part's shapes, dtypes and shardings, as `frozen(params)` gives it (None for full
+        training): what the train step is lowered with."""
+        specs = self.frozen_specs()
+        return None if specs is None else abstract_params(specs, shardings)
+
+    def compute_params(self, trainable, frozen, dtype) -> TransformerParams:
+        """The forward pass's params: both parts in the compute `dtype`, joined (`merge`)."""
+        return self.merge(*jax.tree.map(lambda x: x.astype(dtype), (trainable, frozen)))
 
     def initial(self, params: TransformerParams, key: jax.Array, shardings=None):
         """The trainable tree to start from: the model's own params (or its last layers), or fresh

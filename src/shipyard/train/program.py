@@ -73,9 +73,7 @@ class TrainProgram:
     @property
     def abstract_frozen(self):
         """The frozen params' shapes and shardings (None for full training)."""
-        if self.frozen_specs is None:
-            return None
-        return abstract_params(self.frozen_specs, self.frozen_shardings)
+        return self.partition.abstract_frozen(self.frozen_shardings)
 
     def lower_train_step(self):
         """The train step lowered with the abstract inputs (nothing allocated); `.compile()` it."""
@@ -157,7 +155,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     partition = Partition(cfg.model, cfg.train.finetune)
     specs, frozen_specs = partition.trainable_specs(), partition.frozen_specs()
     shardings = param_shardings(specs, mesh, rules)
-    frozen_shardings = None if frozen_specs is None else param_shardings(frozen_specs, mesh, rules)
+    frozen_shardings = partition.frozen_shardings(mesh, rules)
     optimizer = build_optimizer(cfg.train, specs)
     state = abstract_state(cfg, specs, shardings, optimizer)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)

@@ -138,7 +138,7 @@ class GradientFn:
         """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
         model, train = self.cfg.model, self.cfg.train
         compute = jnp.dtype(train.precision.compute_dtype)
-        p = self.partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
+        p = self.partition.compute_params(params, frozen, compute)
         tok = mb["tokens"]
         out, stats = logits_and_stats(
             p,
@@ -364,7 +364,7 @@ def make_eval_step(
     partition = partition or Partition(cfg.model, None)
 
     def eval_step(params, frozen, batch):
-        p = partition.merge(*jax.tree.map(lambda x: x.astype(compute), (params, frozen)))
+        p = partition.compute_params(params, frozen, compute)
         tokens = batch["tokens"]
         out, _ = logits_and_stats(
             p,
