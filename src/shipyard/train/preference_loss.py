@@ -1,0 +1,130 @@
+"""Preference losses on summed reply log-probs: DPO (Rafailov et al., 2023) and SimPO (Meng et al., 2024).
+
+A packed row holds P pairs; reply slot 2k is the chosen reply of its k-th
+pair, 2k+1 the rejected one (data/preference.py). `reply_logps` sums the
+policy's per-token log p(target) over each slot's tokens; `preference_sums`
+turns those into the loss and metrics as sums over valid pairs, so
+microbatches and data shards add up exactly (divide by `pairs` at the end).
+
+DPO, with z = beta [(pi_c - ref_c) - (pi_r - ref_r)]:
+    loss = -(1 - ls) log sigmoid(z) - ls log sigmoid(-z)
+where ls is the label smoothing of conservative DPO (the assumed probability
+that a pair's labels are flipped; 0 is the paper's loss). The implicit
+rewards are beta (pi - ref) per reply.
+
+SimPO has no reference; with length-normalised log-probs,
+z = beta (pi_c / |c| - pi_r / |r|) - gamma, the same smoothed loss, and
+rewards beta pi / |y|. The margin reported is chosen reward - rejected
+reward (gamma not subtracted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from shipyard.config import PreferenceConfig
+from shipyard.train.loss import token_stats
+
+
+def reply_logps(
+    logits: jax.Array, targets: jax.Array, slots: jax.Array, num_slots: int
+) -> tuple[jax.Array, jax.Array]:
+    """(summed log p(target) [B, num_slots] fp32, tokens [B, num_slots] fp32) per reply slot.
+
+    logits [B, L, V] (any dtype; upcast here), targets and slots [B, L]
+    (slot -1: not a reply token). A segment sum over the flattened batch, not
+    a [B, L, slots] one-hot: that array would be as large as the logits for
+    long rows.
+    """
+    batch = targets.shape[0]
+    lse, target_logit, _ = token_stats(logits.astype(jnp.float32), targets)
+    logp = target_logit - lse
+    valid = slots >= 0
+    # row b's slot s is bucket b * num_slots + s; untrained positions go to one spare bucket at the end
+    dump = batch * num_slots
+    bucket = jnp.where(valid, slots + num_slots * jnp.arange(batch)[:, None], dump).reshape(-1)
+    sums = jax.ops.segment_sum(jnp.where(valid, logp, 0.0).reshape(-1), bucket, num_segments=dump + 1)
+    counts = jax.ops.segment_sum(valid.astype(jnp.float32).reshape(-1), bucket, num_segments=dump + 1)
+    return sums[:dump].reshape(batch, num_slots), counts[:dump].reshape(batch, num_slots)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PreferenceSums:
+    """Per-pair quantities summed over the valid pairs of a batch (divide by `pairs`)."""
+
+    loss: jax.Array
+    correct: jax.Array
+    """Pairs whose chosen reward exceeds the rejected reward."""
+    margin: jax.Array
+    """Sum of chosen reward - rejected reward."""
+    chosen_logps: jax.Array
+    rejected_logps: jax.Array
+    chosen_rewards: jax.Array
+    rejected_rewards: jax.Array
+    pairs: jax.Array
+
+
+def _rewards(policy, reference, counts, cfg: PreferenceConfig):
+    """(chosen rewards, rejected rewards, z) [B, P] of the configured loss."""
+    pc, pr = policy[:, 0::2], policy[:, 1::2]
+    if cfg.loss == "dpo":
+        if reference is None:
+            raise ValueError("train.preference.loss=dpo needs the reference log-probs")
+        reference = jax.lax.stop_gradient(reference)  # the reference model is frozen
+        chosen = cfg.beta * (pc - reference[:, 0::2])
+        rejected = cfg.beta * (pr - reference[:, 1::2])
+        return chosen, rejected, chosen - rejected
+    if cfg.loss == "simpo":
+        # an empty slot (no k-th pair in the row) has count 0: divide by 1 there, it is masked out later
+        chosen = cfg.beta * pc / jnp.maximum(counts[:, 0::2], 1.0)
+        rejected = cfg.beta * pr / jnp.maximum(counts[:, 1::2], 1.0)
+        return chosen, rejected, chosen - rejected - cfg.gamma
+    raise ValueError(f"train.preference.loss: unknown loss {cfg.loss!r}")
+
+
+def preference_sums(
+    policy: jax.Array,
+    reference: jax.Array | None,
+    counts: jax.Array,
+    pair_mask: jax.Array,
+    cfg: PreferenceConfig,
+) -> PreferenceSums:
+    """Loss and metric sums of policy (and, for dpo, reference) reply log-probs [B, 2P]; even slots chosen,
+    odd rejected; counts [B, 2P] reply tokens; pair_mask [B, P] 1 where the row has a k-th pair."""
+    policy = policy.astype(jnp.float32)
+    m = pair_mask.astype(jnp.float32)
+    chosen, rejected, z = _rewards(policy, reference, counts.astype(jnp.float32), cfg)
+    ls = cfg.label_smoothing
+    per_pair = -(1.0 - ls) * jax.nn.log_sigmoid(z) - ls * jax.nn.log_sigmoid(-z)
+
+    def total(x):
+        return jnp.sum(jnp.where(m > 0, x, 0.0))
+
+    return PreferenceSums(
+        loss=total(per_pair),
+        correct=total((chosen > rejected).astype(jnp.float32)),
+        margin=total(chosen - rejected),
+        chosen_logps=total(policy[:, 0::2]),
+        rejected_logps=total(policy[:, 1::2]),
+        chosen_rewards=total(chosen),
+        rejected_rewards=total(rejected),
+        pairs=jnp.sum(m),
+    )
+
+
+def preference_metrics(sums: PreferenceSums) -> dict[str, jax.Array]:
+    """Per-pair means: loss, pref_accuracy, reward_margin, chosen/rejected logps and rewards."""
+    n = jnp.maximum(sums.pairs, 1.0)
+    return {
+        "loss": sums.loss / n,
+        "pref_accuracy": sums.correct / n,
+        "reward_margin": sums.margin / n,
+        "chosen_logps": sums.chosen_logps / n,
+        "rejected_logps": sums.rejected_logps / n,
+        "chosen_reward": sums.chosen_rewards / n,
+        "rejected_reward": sums.rejected_rewards / n,
+    }
