@@ -19,6 +19,7 @@ from shipyard.config import Config
 from shipyard.errors import TrainingDiverged
 from shipyard.train.checkpoint import Checkpointer
 from shipyard.train.metrics import MetricsWriter
+from shipyard.train.preference_loss import PreferenceSums, preference_metrics
 from shipyard.train.program import TrainProgram
 
 INTERRUPTED_EXIT = 130
@@ -105,6 +106,15 @@ def val_loss(val_sums: list) -> float:
     return ce / max(n, 1.0)
 
 
+def val_metrics(val_sums: list) -> dict[str, float]:
+    """The held-out metrics of a record: val_loss (per token), or with preference tuning the
+    per-pair val_loss, val_pref_accuracy, val_reward_margin, val chosen/rejected log-probs and rewards."""
+    if not isinstance(val_sums[0], PreferenceSums):
+        return {"val_loss": val_loss(val_sums)}
+    total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *jax.device_get(val_sums))
+    return {f"val_{k}": float(v) for k, v in preference_metrics(total).items()}
+
+
 class StepLog:
     """The host side of each finished step: progress bar, metrics record, divergence check."""
 
@@ -131,7 +141,7 @@ class StepLog:
             mfu = tok_s * self.flops_per_token / self.peak if tok_s is not None else None
             record = {"step": step, "loss": m.pop("loss"), "lr": m.pop("lr"), **m}
             if val_sums is not None:
-                record["val_loss"] = val_loss(val_sums)
+                record.update(val_metrics(val_sums))
             record.update(tokens_per_s=tok_s, mfu=mfu, elapsed_s=now - self.t0)
             self.writer.write(record)
         check_divergence(step, m["nonfinite_run"], self.train.max_consecutive_nonfinite)
@@ -147,12 +157,15 @@ class Evaluator:
 
     program: TrainProgram
     validation: object
-    """SequenceSource (pretraining), PackedChats (chat SFT) or None (no in-loop eval)."""
+    """SequenceSource (pretraining), PackedChats (chat SFT), packed pairs (preference tuning: rows()
+    with each row's ref_logps when cached) or None (no in-loop eval)."""
     frozen: object
+    reference: object = None
+    """The on-the-fly DPO reference tree (None otherwise)."""
 
     def due(self, done: int) -> bool:
         every, steps = self.program.cfg.train.eval_every, self.program.cfg.train.steps
-        return self.validation is not None and (done % every == 0 or done == steps)
+        return self.validation is not None and every is not None and (done % every == 0 or done == steps)
 
     def __call__(self, params) -> list:
         cfg, val = self.program.cfg, self.validation
@@ -160,9 +173,11 @@ class Evaluator:
         out = []
         for b in range(cfg.train.eval_batches):
             idx = [(b * batch_size + r) % len(val) for r in range(batch_size)]
-            rows = val.rows(idx) if cfg.data.chat is not None else {"tokens": np.stack([val[i] for i in idx])}
+            packed = cfg.data.chat is not None or cfg.data.preference is not None
+            rows = val.rows(idx) if packed else {"tokens": np.stack([val[i] for i in idx])}
             batch = {k: global_array(v, self.program.batch_shardings[k]) for k, v in rows.items()}
-            out.append(self.program.eval_step(params, self.frozen, batch))
+            more = () if self.reference is None else (self.reference,)
+            out.append(self.program.eval_step(params, self.frozen, batch, *more))
         return out
 
 
@@ -250,6 +265,8 @@ class LoopParts:
     checkpointer: Checkpointer
     log: StepLog
     profile: ProfileWindow
+    reference: object = None
+    """The on-the-fly DPO reference tree, the step's last argument (None: the step takes none)."""
 
 
 def run_loop(parts: LoopParts, state, start: int, steps: int) -> tuple[int, str] | None:
@@ -259,7 +276,8 @@ def run_loop(parts: LoopParts, state, start: int, steps: int) -> tuple[int, str]
         for step in range(start, steps):
             batch = parts.batches.get(step)
             parts.profile.before(step)
-            state, metrics = parts.train_step(state, batch, parts.frozen)
+            more = () if parts.reference is None else (parts.reference,)
+            state, metrics = parts.train_step(state, batch, parts.frozen, *more)
             parts.profile.after(step, metrics)
             done = step + 1
             val_sums = parts.evaluate(state.params) if parts.evaluate.due(done) else None

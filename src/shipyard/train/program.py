@@ -19,12 +19,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shipyard.config import Config
 from shipyard.data.chat_format import BATCH_KEYS
+from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
 from shipyard.model.params import abstract_params, param_shardings
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.finetune import Partition
 from shipyard.train.optim import build_optimizer
-from shipyard.train.step import TrainState, init_state, make_eval_step, make_train_step
+from shipyard.train.step import (
+    TrainState,
+    init_state,
+    make_eval_step,
+    make_preference_eval_step,
+    make_reference_step,
+    make_train_step,
+)
 
 PRETRAIN_BATCH_KEYS = ("tokens", "loss_mask")
 """The arrays of a pretraining batch (a packed chat batch has chat_format.BATCH_KEYS)."""
@@ -34,6 +42,9 @@ _BATCH_DTYPES = {
     "loss_mask": jnp.float32,
     "segment_ids": jnp.int32,
     "positions": jnp.int32,
+    "slots": jnp.int32,
+    "pair_mask": jnp.float32,
+    "ref_logps": jnp.float32,
 }
 
 
@@ -62,9 +73,14 @@ class TrainProgram:
     eos_id: int | None
     """EOS id document masking splits at (None: off)."""
     train_step: Any
-    """Jitted `(state, batch, frozen) -> (state, metrics)`, state donated."""
+    """Jitted `(state, batch, frozen) -> (state, metrics)`, state donated; with a reference on the fly
+    (train.preference.reference: on_the_fly) `(state, batch, frozen, reference)`."""
     eval_step: Any
-    """Jitted `(params, frozen, batch) -> (sum of token losses, token count)`."""
+    """Jitted `(params, frozen, batch) -> (sum of token losses, token count)`; preference tuning:
+    `(params, frozen, batch[, reference]) -> PreferenceSums`."""
+    reference_step: Any = None
+    """Jitted `(trainable, frozen, batch) -> reply log-probs [B, 2P]` (replicated): the reference
+    pass of train.preference.reference: cached (None otherwise)."""
 
     @property
     def state_shardings(self):
@@ -75,15 +91,44 @@ class TrainProgram:
         """The frozen params' shapes and shardings (None for full training)."""
         return self.partition.abstract_frozen(self.frozen_shardings)
 
+    @property
+    def abstract_reference(self):
+        """The on-the-fly reference tree's shapes, dtypes and shardings: the trainable params in the
+        compute dtype (None unless train.preference.reference is on_the_fly)."""
+        if not reference_on_the_fly(self.cfg):
+            return None
+        compute = jnp.dtype(self.cfg.train.precision.compute_dtype)
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, compute, sharding=a.sharding), self.abstract_state.params
+        )
+
     def lower_train_step(self):
         """The train step lowered with the abstract inputs (nothing allocated); `.compile()` it."""
-        return self.train_step.lower(self.abstract_state, self.abstract_batch, self.abstract_frozen)
+        more = () if self.abstract_reference is None else (self.abstract_reference,)
+        return self.train_step.lower(self.abstract_state, self.abstract_batch, self.abstract_frozen, *more)
+
+
+def reference_on_the_fly(cfg: Config) -> bool:
+    """Whether each train step runs the DPO reference forward (train.preference.reference: on_the_fly)."""
+    pref = cfg.train.preference
+    return pref is not None and pref.loss == "dpo" and pref.reference == "on_the_fly"
+
+
+def reference_cached(cfg: Config) -> bool:
+    """Whether the DPO reference log-probs are computed once before step 0 (reference: cached)."""
+    pref = cfg.train.preference
+    return pref is not None and pref.loss == "dpo" and pref.reference == "cached"
 
 
 def document_eos_id(cfg: Config, data_eos_id: int | None) -> int | None:
     """The EOS id attention stops at with data.document_masking: data.eos_id, else the data's
     own (`data_eos_id`); None when masking is off or the batches are packed chats."""
-    if cfg.data.chat is not None or not cfg.data.document_masking:
+    if cfg.data.preference is not None and cfg.data.document_masking:
+        raise ConfigError(
+            "data.document_masking: preference pairs are packed with their own segment ids (each reply "
+            "attends to its own prompt only); set data.document_masking: false"
+        )
+    if cfg.data.chat is not None or cfg.data.preference is not None or not cfg.data.document_masking:
         return None
     eos_id = cfg.data.eos_id if cfg.data.eos_id is not None else data_eos_id
     if eos_id is None:
@@ -114,10 +159,19 @@ def abstract_state(cfg: Config, specs, shardings, optimizer) -> TrainState:
     )
 
 
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    """The arrays of the config's batches: pretraining, packed chats, or packed preference pairs
+    (plus each row's cached reference log-probs with train.preference.reference: cached)."""
+    if cfg.data.preference is not None:
+        return PREFERENCE_BATCH_KEYS + (("ref_logps",) if reference_cached(cfg) else ())
+    return BATCH_KEYS if cfg.data.chat is not None else PRETRAIN_BATCH_KEYS
+
+
 def batch_layout(cfg: Config, mesh: Mesh, rules: dict) -> tuple[dict, dict]:
     """(shardings, abstract arrays) of the global batch, keyed by its arrays: tokens [B, L+1]
     split over the batch axes, the per-position arrays [B, L] (loss mask; packed chats' segment
-    ids and positions) split the same way along the batch."""
+    ids and positions; pairs' slots) and the per-row ones (pairs' pair_mask [B, P], ref_logps
+    [B, 2P]) split the same way along the batch."""
     batch_size, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
     batch_spec = logical_to_pspec(("batch", "seq"), (batch_size, seq_len + 1), mesh, rules)
     if math.prod(mesh.shape[a] for a in rules["batch"]) > 1 and batch_spec[0] is None:
@@ -125,11 +179,12 @@ def batch_layout(cfg: Config, mesh: Mesh, rules: dict) -> tuple[dict, dict]:
             f"train.global_batch_size={batch_size} is not divisible by the {mesh.devices.size} "
             "data-parallel devices; choose a multiple"
         )
-    keys = BATCH_KEYS if cfg.data.chat is not None else PRETRAIN_BATCH_KEYS
+    keys = batch_keys(cfg)
     tokens = NamedSharding(mesh, batch_spec)
-    per_position = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
-    shardings = {k: tokens if k == "tokens" else per_position for k in keys}
-    shapes = {k: (batch_size, seq_len + 1 if k == "tokens" else seq_len) for k in keys}
+    per_row = NamedSharding(mesh, PartitionSpec(batch_spec[0], None))
+    shardings = {k: tokens if k == "tokens" else per_row for k in keys}
+    widths = {"tokens": seq_len + 1, "pair_mask": pair_slots(seq_len), "ref_logps": 2 * pair_slots(seq_len)}
+    shapes = {k: (batch_size, widths.get(k, seq_len)) for k in keys}
     abstract = {k: jax.ShapeDtypeStruct(shapes[k], _BATCH_DTYPES[k], sharding=shardings[k]) for k in keys}
     return shardings, abstract
 
@@ -161,17 +216,31 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
     batch_size = cfg.train.global_batch_size
     micro = activation_sharding(cfg, mesh, rules, batch_size // cfg.train.microbatches)
+    reference = state_shardings.params if reference_on_the_fly(cfg) else None
+    more = () if reference is None else (reference,)
     train_step = jax.jit(
         make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
-        in_shardings=(state_shardings, batch_shardings, frozen_shardings),
+        in_shardings=(state_shardings, batch_shardings, frozen_shardings, *more),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    eval_keys = tuple(batch_shardings) if cfg.data.chat is not None else ("tokens",)
-    eval_step = jax.jit(
-        make_eval_step(cfg, eos_id, activation_sharding(cfg, mesh, rules, batch_size), rules, partition),
-        in_shardings=(state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys}),
-    )
+    full = activation_sharding(cfg, mesh, rules, batch_size)
+    eval_keys = tuple(batch_shardings) if cfg.data.chat or cfg.data.preference else ("tokens",)
+    eval_shardings = (state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys})
+    if cfg.data.preference is None:
+        eval_step = jax.jit(make_eval_step(cfg, eos_id, full, rules, partition), in_shardings=eval_shardings)
+    else:
+        eval_step = jax.jit(
+            make_preference_eval_step(cfg, full, rules, partition), in_shardings=(*eval_shardings, *more)
+        )
+    reference_step = None
+    if reference_cached(cfg):
+        pairs = {k: batch_shardings[k] for k in PREFERENCE_BATCH_KEYS}
+        reference_step = jax.jit(
+            make_reference_step(cfg, full, rules, partition),
+            in_shardings=(state_shardings.params, frozen_shardings, pairs),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),  # every process holds every row's
+        )
     return TrainProgram(
         cfg=cfg,
         mesh=mesh,
@@ -189,4 +258,5 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
         eos_id=eos_id,
         train_step=train_step,
         eval_step=eval_step,
+        reference_step=reference_step,
     )

@@ -7,7 +7,7 @@ It is jitted once by the trainer with explicit shardings and donated state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
 
@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import optax
 
 from shipyard.config import Config
+from shipyard.data.preference import pair_slots
 from shipyard.model.moe import MoEStats
 from shipyard.model.transformer import TransformerParams, logits_and_stats
 from shipyard.train.finetune import Partition
 from shipyard.train.loss import LossSums, loss_sums
 from shipyard.train.optim import lr_schedule
+from shipyard.train.preference_loss import PreferenceSums, preference_metrics, preference_sums, reply_logps
 
 
 @jax.tree_util.register_dataclass
@@ -134,30 +136,41 @@ class GradientFn:
     rules: Any
     partition: Partition
 
-    def objective(self, params, frozen, mb, key, total_tokens, loss_scale):
-        """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
-        model, train = self.cfg.model, self.cfg.train
-        compute = jnp.dtype(train.precision.compute_dtype)
-        p = self.partition.compute_params(params, frozen, compute)
-        tok = mb["tokens"]
-        out, stats = logits_and_stats(
+    def forward(self, p, mb, key):
+        """(fp32 logits, MoEStats | None) of the model with params `p` on microbatch `mb`."""
+        return logits_and_stats(
             p,
-            tok[:, :-1],
-            model,
+            mb["tokens"][:, :-1],
+            self.cfg.model,
             activation_sharding=self.activation_sharding,
             rules=self.rules,
             dropout_key=key,
             frozen_layers=self.partition.frozen_layers,
             **_model_inputs(mb, self.eos_id),
         )
-        sums = loss_sums(out, tok[:, 1:], mb["loss_mask"])
+
+    def with_moe_losses(self, loss, stats):
+        """(loss plus the MoE balance losses, the stats averaged over microbatches)."""
+        if stats is None:
+            return loss, stats
+        moe = self.cfg.model.moe
+        stats = jax.tree.map(lambda v: v / self.cfg.train.microbatches, stats)
+        loss = loss + moe.aux_loss * jnp.sum(stats.aux_loss) + moe.router_z_loss * jnp.sum(stats.z_loss)
+        return loss, stats
+
+    def normaliser(self, batch) -> jax.Array:
+        """What the summed loss is divided by: the whole batch's trained token count."""
+        return jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+
+    def objective(self, params, frozen, mb, key, total_tokens, loss_scale):
+        """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
+        train = self.cfg.train
+        compute = jnp.dtype(train.precision.compute_dtype)
+        out, stats = self.forward(self.partition.compute_params(params, frozen, compute), mb, key)
+        sums = loss_sums(out, mb["tokens"][:, 1:], mb["loss_mask"])
         # Normalise by the whole batch's token count so microbatch
         # gradients add up to exactly the full-batch gradient.
-        loss = (sums.ce + train.z_loss * sums.z) / total_tokens
-        if stats is not None:
-            moe = model.moe
-            stats = jax.tree.map(lambda v: v / train.microbatches, stats)
-            loss = loss + moe.aux_loss * jnp.sum(stats.aux_loss) + moe.router_z_loss * jnp.sum(stats.z_loss)
+        loss, stats = self.with_moe_losses((sums.ce + train.z_loss * sums.z) / total_tokens, stats)
         return loss * loss_scale if compute == jnp.float16 else loss, (sums, stats)
 
     def microbatch(self, params, frozen, mb, key, total_tokens, loss_scale):
@@ -180,20 +193,78 @@ class GradientFn:
             Lm, X = model.num_moe_layers, model.moe.num_experts
             z = jnp.zeros((Lm,), jnp.float32)
             zero_stats = MoEStats(load=jnp.zeros((Lm, X), jnp.float32), aux_loss=z, z_loss=z, dropped=z)
-        return (
-            jax.tree.map(jnp.zeros_like, params),
-            LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4))),
-            zero_stats,
-        )
+        return jax.tree.map(jnp.zeros_like, params), self.zero_sums(), zero_stats
+
+    def zero_sums(self) -> LossSums:
+        return LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4)))
 
     def __call__(self, params, frozen, batch, loss_scale, key=None):
-        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        total_tokens = self.normaliser(batch)
         n_micro = self.cfg.train.microbatches
         if n_micro == 1:
             return self.microbatch(params, frozen, batch, key, total_tokens, loss_scale)
         step = partial(self.accumulate, params, frozen, key, total_tokens, loss_scale)
         mbs = {k: _split_microbatches(v, n_micro) for k, v in batch.items()}
         return jax.lax.scan(step, self.zeros(params), (jnp.arange(n_micro), mbs))[0]
+
+
+@dataclass(frozen=True, eq=False)
+class PreferenceGradientFn(GradientFn):
+    """GradientFn of the preference loss (train.preference: DPO / SimPO) on packed pairs.
+
+    `gradients(params, frozen, batch, loss_scale, key, reference=None)`: the loss is the sum over the
+    batch's pairs divided by the whole batch's pair count, so microbatches add up exactly as tokens
+    do for next-token loss. The reference log-probs come from the batch (`ref_logps`, reference:
+    cached) or from a forward of `reference` (the starting trainable tree, in the compute dtype)
+    with the frozen params under stop_gradient (reference: on_the_fly); SimPO uses none. The
+    frozen and reference trees travel through the microbatch machinery as one `context` pair.
+    """
+
+    def normaliser(self, batch) -> jax.Array:
+        return jnp.maximum(jnp.sum(batch["pair_mask"].astype(jnp.float32)), 1.0)
+
+    def zero_sums(self) -> PreferenceSums:
+        return PreferenceSums(**{f.name: jnp.zeros((), jnp.float32) for f in fields(PreferenceSums)})
+
+    def num_slots(self) -> int:
+        return 2 * pair_slots(self.cfg.data.seq_len)
+
+    def policy_logps(self, p, mb, key):
+        """(reply log-probs [B, 2P], token counts [B, 2P], MoEStats | None) of the model `p` on `mb`."""
+        out, stats = self.forward(p, mb, key)
+        logps, counts = reply_logps(out, mb["tokens"][:, 1:], mb["slots"], self.num_slots())
+        return logps, counts, stats
+
+    def reference_logps(self, frozen, reference, mb):
+        """The reference model's reply log-probs [B, 2P] for `mb` (None for SimPO)."""
+        pref = self.cfg.train.preference
+        if pref.loss == "simpo":
+            return None
+        if pref.reference == "cached":
+            return mb["ref_logps"]
+        compute = jnp.dtype(self.cfg.train.precision.compute_dtype)
+        logps, _, _ = self.policy_logps(self.partition.compute_params(reference, frozen, compute), mb, None)
+        return jax.lax.stop_gradient(logps)
+
+    def objective(self, params, context, mb, key, total_pairs, loss_scale):
+        """(loss of microbatch `mb` over the whole batch's `total_pairs`, (PreferenceSums, MoEStats))."""
+        frozen, reference = context
+        train = self.cfg.train
+        compute = jnp.dtype(train.precision.compute_dtype)
+        logps, counts, stats = self.policy_logps(
+            self.partition.compute_params(params, frozen, compute), mb, key
+        )
+        ref = self.reference_logps(frozen, reference, mb)
+        sums = preference_sums(logps, ref, counts, mb["pair_mask"], train.preference)
+        loss, stats = self.with_moe_losses(sums.loss / total_pairs, stats)
+        return loss * loss_scale if compute == jnp.float16 else loss, (sums, stats)
+
+    def __call__(self, params, frozen, batch, loss_scale, key=None, reference=None):
+        return super().__call__(params, (frozen, reference), batch, loss_scale, key)
+
+    def sums(self, params, frozen, batch, reference=None) -> PreferenceSums:
+        """The batch's PreferenceSums, forward only (held-out evaluation)."""
+        return self.objective(params, (frozen, reference), batch, None, 1.0, 1.0)[1][0]
 
 
 def make_gradient_fn(
@@ -211,7 +282,8 @@ def make_gradient_fn(
     returned gradients are still multiplied by `loss_scale`. The MoE stats
     have a leading axis over MoE layers.
     """
-    return GradientFn(cfg, eos_id, activation_sharding, rules, partition or Partition(cfg.model, None))
+    kind = PreferenceGradientFn if cfg.train.preference is not None else GradientFn
+    return kind(cfg, eos_id, activation_sharding, rules, partition or Partition(cfg.model, None))
 
 
 def _balance_router_bias(params: TransformerParams, stats: MoEStats, rate: float) -> TransformerParams:
@@ -269,14 +341,30 @@ def _next_loss_scale(precision, state: TrainState, finite) -> tuple[jax.Array, j
     return loss_scale, good_steps
 
 
-def _step_metrics(state: TrainState, new_state: TrainState, sums: LossSums, stats, values: dict) -> dict:
-    """The per-step metrics (the fields of metrics.jsonl): losses per trained token, norms, counters;
-    `values` holds the step's lr, grad_norm, update_norm and skipped."""
+def _loss_metrics(sums: LossSums | PreferenceSums) -> dict:
+    """The step's loss metrics: per trained token (next-token loss), or per pair (preference loss:
+    loss, pref_accuracy, reward_margin, chosen/rejected log-probs and rewards)."""
+    if isinstance(sums, PreferenceSums):
+        return preference_metrics(sums)
     total_tokens = jnp.maximum(sums.tokens, 1.0)
-    metrics = {
+    return {
         "loss": sums.ce / total_tokens,
         "z_loss": sums.z / total_tokens,
         "entropy": sums.entropy / total_tokens,
+    }
+
+
+def _finite_loss(sums: LossSums | PreferenceSums) -> jax.Array:
+    if isinstance(sums, PreferenceSums):
+        return jnp.isfinite(sums.loss)
+    return jnp.isfinite(sums.ce) & jnp.isfinite(sums.z)
+
+
+def _step_metrics(state: TrainState, new_state: TrainState, sums, stats, values: dict) -> dict:
+    """The per-step metrics (the fields of metrics.jsonl): the loss metrics, norms, counters;
+    `values` holds the step's lr, grad_norm, update_norm and skipped."""
+    metrics = {
+        **_loss_metrics(sums),
         "lr": values["lr"],
         "grad_norm": values["grad_norm"],
         "param_norm": optax.tree.norm(new_state.params),
@@ -299,14 +387,16 @@ def make_train_step(
     rules=None,
     partition: Partition | None = None,
 ):
-    """Build the (unjitted) step function `step(state, batch, frozen=None)` for this config.
+    """Build the (unjitted) step function `step(state, batch, frozen=None, reference=None)` for this config.
 
     With `eos_id`, attention stops at documents' ends; `activation_sharding`
     pins the residual stream's layout at block boundaries and, with the mesh
     `rules`, makes MoE layers expert-parallel (see transformer.forward). With a
     fine-tuning `partition`, state.params is the trainable tree and `frozen`
     the rest, which the step reads and never returns. A batch may carry
-    segment_ids and positions (packed chats) next to tokens and loss_mask.
+    segment_ids and positions (packed chats) next to tokens and loss_mask. With train.preference the
+    batch holds packed pairs and the loss is the preference loss (PreferenceGradientFn; `reference`:
+    the starting trainable tree, for train.preference.reference: on_the_fly).
     """
     train = cfg.train
     fp16 = train.precision.compute_dtype == "float16"
@@ -321,15 +411,16 @@ def make_train_step(
     dropout = lora is not None and lora.dropout > 0
 
     def step(
-        state: TrainState, batch: dict[str, jax.Array], frozen=None
+        state: TrainState, batch: dict[str, jax.Array], frozen=None, reference=None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         # Dropout masks are a pure function of (seed, step): a resumed run draws the same ones.
         key = jax.random.fold_in(jax.random.key(train.seed + 1), state.step) if dropout else None
-        grads, sums, stats = gradients(state.params, frozen, batch, state.loss_scale, key)
+        more = () if reference is None else (reference,)
+        grads, sums, stats = gradients(state.params, frozen, batch, state.loss_scale, key, *more)
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums.ce) & jnp.isfinite(sums.z)
+        finite = jnp.isfinite(grad_norm) & _finite_loss(sums)
         lr = schedule(state.step)
         params, opt_state, update_norm = _optimizer_update(
             optimizer, state, grads, lr, finite, stats, bias_rate
@@ -379,3 +470,28 @@ def make_eval_step(
         return sums.ce, sums.tokens
 
     return eval_step
+
+
+def make_preference_eval_step(
+    cfg: Config, activation_sharding=None, rules=None, partition: Partition | None = None
+):
+    """`eval_step(params, frozen, batch, reference=None) -> PreferenceSums`: the preference loss and
+    metrics' sums of a batch of packed pairs, forward only."""
+    gradients = make_gradient_fn(cfg, None, activation_sharding, rules, partition)
+    return gradients.sums
+
+
+def make_reference_step(
+    cfg: Config, activation_sharding=None, rules=None, partition: Partition | None = None
+):
+    """`reference_step(trainable, frozen, batch) -> reply log-probs [B, 2P]` (fp32) of the model the
+    trainable and frozen trees make, in the compute dtype (the reference pass of train.preference's
+    reference: cached; the step's on_the_fly reference forward computes the same)."""
+    gradients = make_gradient_fn(cfg, None, activation_sharding, rules, partition)
+    compute = jnp.dtype(cfg.train.precision.compute_dtype)
+
+    def reference_step(trainable, frozen, batch):
+        p = gradients.partition.compute_params(trainable, frozen, compute)
+        return gradients.policy_logps(p, batch, None)[0]
+
+    return reference_step
