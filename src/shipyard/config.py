@@ -448,7 +448,7 @@ class TrainConfig(Schema):
     preference: PreferenceConfig | None = None
     """Preference tuning (DPO / SimPO) on data.preference instead of next-token loss; null: next-token training."""
     resize_vocab: bool = False
-    """With train.init_from and a different tokenizer: resize the embedding (and untied head) to model.vocab_size, copy the rows of tokens whose strings both vocabularies share, start the others at the mean embedding. Without it a vocabulary mismatch is refused."""
+    """With train.init_from and a different tokenizer or model.vocab_size: resize the base's embedding (and untied head) to model.vocab_size, copying bitwise the rows of tokens whose strings both tokenizers hold and starting the others (new tokens, padding) at the mean of the base's token rows. Full fine-tuning only (train.finetune: null). Without it a vocabulary mismatch is refused."""
     eval_every: int | None = Field(None, gt=0)
     """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
     eval_batches: int = Field(4, gt=0)

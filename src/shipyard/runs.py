@@ -304,11 +304,13 @@ def tokenizer_of(cfg: Config, model_dir: Path | None = None) -> Path | None:
 
 
 def run_tokenizer(cfg: Config) -> Path | None:
-    """The tokenizer a run's model speaks, which the run records in <run>/tokenizer: its chat data's,
-    its token shards', else the one of the model it starts from (a run, an import, an HF directory).
-    None for a model trained on id .npy files from scratch."""
+    """The tokenizer a run's model speaks, which the run records in <run>/tokenizer: its chat (or
+    preference) data's, its token shards', else the one of the model it starts from (a run, an
+    import, an HF directory). None for a model trained on id .npy files from scratch."""
     if cfg.data.chat is not None:
         return chat_tokenizer_path(cfg.data.chat.tokenizer, cfg.train.init_from)
+    if cfg.data.preference is not None and cfg.data.preference.tokenizer is not None:
+        return Path(cfg.data.preference.tokenizer)
     paths, _ = cfg.data.sources()
     for p in paths:
         if (Path(p) / "tokenizer.json").is_file():
@@ -365,20 +367,105 @@ def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Pa
 
 
 def base_params(cfg: Config, specs, shardings):
-    """The params a run starts from: train.init_from, else the seeded random init."""
+    """The params a run starts from: train.init_from (its embedding and head resized to the run's
+    vocabulary when train.resize_vocab asks for it: `vocab_plan`), else the seeded random init."""
     import jax
 
-    from shipyard.model.params import init_params
+    from shipyard.model.params import init_params, is_spec
+    from shipyard.model.transformer import param_specs
+    from shipyard.train.resize_vocab import fitted, resize_params
 
-    if cfg.train.init_from is not None:
+    if cfg.train.init_from is None:
+        return init_params(specs, jax.random.key(cfg.train.seed), shardings)
+    plan = vocab_plan(cfg) if cfg.train.resize_vocab else None
+    if plan is None:
         return load_init_params(cfg.train.init_from, specs, shardings)
-    return init_params(specs, jax.random.key(cfg.train.seed), shardings)
+    # Read the base at its own shapes (only the vocabulary differs: check_init_from), then resize.
+    old_specs = param_specs(cfg.model.model_copy(update={"vocab_size": plan.old_size}))
+    old_shardings = None
+    if shardings is not None:
+        old_shardings = jax.tree.map(
+            lambda sh, sp: fitted(sh, sp.shape), shardings, old_specs, is_leaf=is_spec
+        )
+    return resize_params(load_init_params(cfg.train.init_from, old_specs, old_shardings), plan, shardings)
+
+
+def vocab_plan(cfg: Config):
+    """How train.init_from's vocabulary maps to this run's (a `train.resize_vocab.VocabPlan`), or None
+    when there is nothing to resize: no init_from, or the same size and (where both tokenizers are
+    known) a vocabulary whose every token has the base's id. A mismatch without train.resize_vocab
+    is one ConfigError line naming both sides; so is a resize under train.finetune, or one where a
+    tokenizer to match the rows by is missing."""
+    from shipyard.train.resize_vocab import plan_resize, token_vocab, vocab_mismatch
+
+    base = _init_from_config(cfg)
+    if base is None:  # a bare params tree: load_init_params checks its shapes against this model
+        return None
+    old_tok, new_tok = init_from_tokenizer(cfg.train.init_from), run_tokenizer(cfg)
+    old_size, new_size = base.model.vocab_size, cfg.model.vocab_size
+    where = f"train.init_from: {Path(cfg.train.init_from).absolute()}"
+    if old_size != new_size:
+        problem = (
+            f"{where} has a vocabulary of {old_size} (tokenizer {old_tok}), this run's model.vocab_size is "
+            f"{new_size} (tokenizer {new_tok})"
+        )
+    elif old_tok is None or new_tok is None or old_tok.absolute() == new_tok.absolute():
+        return None  # nothing to compare ids with, or the very same tokenizer
+    else:
+        detail = vocab_mismatch(token_vocab(old_tok), token_vocab(new_tok))
+        if detail is None:
+            return None
+        problem = (
+            f"{where} speaks the tokenizer {old_tok}, this run's tokenizer {new_tok} is another vocabulary "
+            f"({detail}), so token ids would mean other strings"
+        )
+    if not cfg.train.resize_vocab:
+        raise ConfigError(
+            f"{problem}; set train.resize_vocab: true to resize the embedding and head to the run's vocabulary "
+            "(rows of tokens both share copied), or use the base model's tokenizer and vocab_size"
+        )
+    if cfg.train.finetune is not None:
+        raise ConfigError(
+            "train.resize_vocab: needs full fine-tuning (train.finetune: null): LoRA and train_last_layers "
+            "freeze the embedding, so the new tokens' rows would never train"
+        )
+    if old_tok is None or new_tok is None:
+        missing = f"train.init_from ({cfg.train.init_from})" if old_tok is None else "this run's data"
+        raise ConfigError(
+            f"train.resize_vocab: rows are matched by token string, but {missing} has no tokenizer.json "
+            "(give the run data tokenized with its tokenizer, or data.chat.tokenizer)"
+        )
+    return plan_resize(old_tok, new_tok, old_size, new_size)
+
+
+def announce_vocab_resize(cfg: Config, run_dir: Path | None, say) -> None:
+    """A resized run's start-up line ("resized the vocabulary 512 -> 600: ..."), and the resize in
+    its provenance.json (`run_dir`; None on processes other than the main one)."""
+    from shipyard.train.resize_vocab import record_plan
+
+    plan = vocab_plan(cfg) if cfg.train.resize_vocab else None
+    if plan is None:
+        return
+    say(f"shipyard: {plan.summary()}")
+    if run_dir is not None:
+        record_plan(run_dir, plan)
+
+
+def _init_from_config(cfg: Config) -> Config | None:
+    """The resolved config of the model train.init_from names (a run, an import or its params/, an HF
+    directory), or None for a bare params tree."""
+    path = Path(cfg.train.init_from).absolute()
+    places = [path] + ([path.parent] if path.name == "params" else [])
+    for place in places:
+        if (place / "config.yaml").is_file() or (place / "config.json").is_file():
+            return open_model_dir(place, "train.init_from").config
+    return None
 
 
 def check_init_from(cfg: Config) -> None:
     """What train.init_from names, checked before a run writes anything (its params are read
-    later): it exists, a model directory there holds a model of this shape, and the checkpoints it
-    will be read from verify (the run it names, that run's own base, and so on; imports and HF
+    later): it exists, a model directory there holds a model of this shape (the vocabulary may
+    differ only with train.resize_vocab: `vocab_plan`), and the checkpoints it will be read from verify (the run it names, that run's own base, and so on; imports and HF
     directories carry no checksums)."""
     if cfg.train.init_from is None:
         return
@@ -387,8 +474,10 @@ def check_init_from(cfg: Config) -> None:
         raise ConfigError(
             f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
         )
-    if (path / "config.yaml").is_file() or (path / "config.json").is_file():
-        _same_model(open_model_dir(path, "train.init_from").config, cfg, path)
+    base = _init_from_config(cfg)
+    if base is not None:
+        _same_model(base, cfg, path)
+    vocab_plan(cfg)  # a vocabulary mismatch is refused here, unless train.resize_vocab
     seen: set[Path] = set()
     while (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() and path not in seen:
         seen.add(path)
@@ -400,9 +489,13 @@ def check_init_from(cfg: Config) -> None:
 
 
 def _same_model(theirs: Config, ours: Config, path: Path) -> None:
+    """The same model but for the vocabulary size (which `vocab_plan` decides about)."""
     from shipyard.model.transformer import param_specs
 
-    _same_shapes(param_specs(theirs.model), _shape_table(param_specs(ours.model)), str(path))
+    shapes = _shape_table(param_specs(ours.model))
+    same_vocab = theirs.model.model_copy(update={"vocab_size": ours.model.vocab_size})
+    if _shape_table(param_specs(same_vocab)) != shapes:  # named with the base's own shapes
+        _same_shapes(param_specs(theirs.model), shapes, str(path))
 
 
 def _shape_table(tree) -> dict:

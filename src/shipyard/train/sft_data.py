@@ -44,7 +44,8 @@ def load_chat_data(cfg: Config) -> dict:
     if vocab > cfg.model.vocab_size:
         raise DataError(
             f"data.chat: the tokenizer {tok_path} has {vocab} tokens, more than model.vocab_size="
-            f"{cfg.model.vocab_size}; use the base model's tokenizer"
+            f"{cfg.model.vocab_size}; use the base model's tokenizer, or set model.vocab_size to at least "
+            f"{vocab} (with train.resize_vocab: true to resize a train.init_from model to it)"
         )
     pad = pad_id_of(tok_path, fmt.tok)
 
