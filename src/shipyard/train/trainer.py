@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed
-from shipyard.runs import base_params, check_ids_fit, check_init_from, run_tokenizer
+from shipyard.runs import announce_vocab_resize, base_params, check_ids_fit, check_init_from, run_tokenizer
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.loop import (
     Evaluator,
@@ -32,7 +32,9 @@ from shipyard.train.loop import (
     say_on,
 )
 from shipyard.train.metrics import flops_per_token, peak_flops
-from shipyard.train.program import TrainProgram, build_program, document_eos_id
+from shipyard.train.preference_data import load_preference_data
+from shipyard.train.program import TrainProgram, build_program, document_eos_id, reference_on_the_fly
+from shipyard.train.reference import ReferencedLoader, ReferencedRows, cached_reference, reference_copy
 from shipyard.train.rundir import (
     check_resumable,
     prepare_run_dir,
@@ -80,9 +82,10 @@ class TrainData:
     """The run's batches and held-out data, and what the run header records about them."""
 
     loader: object
-    """BatchLoader (token sources) or ChatBatchLoader (packed chats)."""
+    """BatchLoader (token sources), ChatBatchLoader (packed chats) or PairBatchLoader (preference pairs;
+    a ReferencedLoader once the reference log-probs are cached)."""
     validation: object
-    """SequenceSource, PackedChats or None."""
+    """SequenceSource, PackedChats, PackedPairs (ReferencedRows) or None."""
     eos_id: int | None
     """EOS id for document masking (None: off)."""
     paths: list
@@ -91,6 +94,8 @@ class TrainData:
     """load_chat_data's result (chat SFT)."""
     tokenizer: Path | None = None
     """The tokenizer the model speaks (recorded in <run>/tokenizer); None for id .npy files from scratch."""
+    preference: dict | None = None
+    """load_preference_data's result (preference tuning)."""
 
 
 def load_data(cfg: Config, say: Say) -> TrainData:
@@ -99,6 +104,11 @@ def load_data(cfg: Config, say: Say) -> TrainData:
         chat = load_chat_data(cfg)
         say(chat["summary"])
         return TrainData(chat["loader"], chat["validation"], None, [], chat, Path(chat["tokenizer"]))
+    if cfg.data.preference is not None:
+        pref = load_preference_data(cfg)
+        say(pref["summary"])
+        validation = pref["validation"] if cfg.train.eval_every is not None else None
+        return TrainData(pref["loader"], validation, None, [], None, Path(pref["tokenizer"]), pref)
     paths, weights = cfg.data.sources()
     if not paths:
         raise ConfigError(
@@ -126,6 +136,8 @@ def run_inputs(cfg: Config, data: TrainData) -> dict:
     whether its shards were checked against their manifest's sha256s (data.verify; a .npy has none)."""
     if data.chat is not None:
         return data.chat["inputs"]
+    if data.preference is not None:
+        return data.preference["inputs"]
     names = [f"mixture[{i}]" for i in range(len(data.paths))] if cfg.data.mixture else ["train_tokens"]
     return {
         n: {"path": str(p), "sha256": tokens_sha256(p), "verified": cfg.data.verify and Path(p).is_dir()}
@@ -162,9 +174,10 @@ def initial_state(program: TrainProgram, run_dir: Path, resuming: bool, main: bo
         # The frozen part is never checkpointed: it is re-read from init_from (or the seeded init).
         if cfg.train.init_from is not None:
             say(f"shipyard: starting from the params in {cfg.train.init_from}")
+            announce_vocab_resize(cfg, run_dir if main and not resuming else None, say)
         full_specs = param_specs(cfg.model)
         base = base_params(cfg, full_specs, param_shardings(full_specs, program.mesh, program.rules))
-        frozen = partition.frozen(base)
+        frozen = partition.frozen(base, program.frozen_shardings)  # QLoRA: quantized once, placed
     if not resuming:
         params = partition.initial(base, jax.random.key(cfg.train.seed), program.shardings)
         return 0, init_state(cfg, params, program.optimizer), frozen
@@ -176,6 +189,42 @@ def initial_state(program: TrainProgram, run_dir: Path, resuming: bool, main: bo
         write_atomic(run_dir / "config.yaml", to_yaml(cfg))
     say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
     return start, state, frozen
+
+
+def starting_trainable(program: TrainProgram):
+    """The trainable tree the run started from (what `initial_state` builds at step 0), rebuilt: the
+    model's own params or its last layers (from train.init_from or the seeded init), or fresh adapters."""
+    cfg, partition = program.cfg, program.partition
+    base = None
+    if partition.kind != "lora":  # fresh adapters do not read the base
+        full_specs = param_specs(cfg.model)
+        base = base_params(cfg, full_specs, param_shardings(full_specs, program.mesh, program.rules))
+    return partition.initial(base, jax.random.key(cfg.train.seed), program.shardings)
+
+
+def preference_reference(
+    program: TrainProgram, run_dir: Path, data: TrainData, state, frozen, resuming: bool, main: bool, say: Say
+) -> tuple[TrainData, object]:
+    """(data, on-the-fly reference tree or None) for DPO: with reference: cached the data's batches
+    and held-out rows carry the starting model's log-probs (computed once, or reused on resume);
+    with on_the_fly the step gets a copy of the starting trainable tree. Called before step 0,
+    while `state` still holds its own params."""
+    cfg = program.cfg
+    if data.preference is None or cfg.train.preference.loss != "dpo":
+        return data, None
+
+    def start() -> tuple:
+        return (starting_trainable(program) if resuming else state.params), frozen
+
+    if reference_on_the_fly(cfg):
+        return data, reference_copy(program, start()[0])
+    splits = {"train": data.preference["train"]}
+    if data.validation is not None:
+        splits["validation"] = data.validation
+    inputs = run_inputs(cfg, data)
+    arrays = cached_reference(program, run_dir, inputs, splits, start, resuming, main, say)
+    validation = None if data.validation is None else ReferencedRows(data.validation, arrays["validation"])
+    return replace(data, loader=ReferencedLoader(data.loader, arrays["train"]), validation=validation), None
 
 
 def announce(program: TrainProgram, state, run_dir: Path, say: Say) -> None:
@@ -203,7 +252,7 @@ def pretraining_batch(loader, sharding, loss_mask: jax.Array, step: int) -> dict
 
 def batch_source(program: TrainProgram, data: TrainData) -> Callable[[int], dict]:
     """step -> the global batch (this process's rows), laid out as the train step expects."""
-    if data.chat is not None:
+    if data.chat is not None or data.preference is not None:
         return partial(device_batch, data.loader, sharding=program.batch_shardings)
     cfg, shardings = program.cfg, program.batch_shardings
     ones = np.ones((cfg.train.global_batch_size, cfg.data.seq_len), np.float32)
@@ -237,13 +286,14 @@ def _train(
     resuming = open_run_dir(cfg, run_dir, data, resume, overwrite, main, say)
     distributed.barrier("run directory ready")
     start, state, frozen = initial_state(program, run_dir, resuming, main, say)
+    data, reference = preference_reference(program, run_dir, data, state, frozen, resuming, main, say)
     announce(program, state, run_dir, say)
     log = step_log(program, run_dir, start, main)
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     batches = Prefetcher(batch_source(program, data), start, cfg.train.steps)
-    evaluate = Evaluator(program, data.validation, frozen)
+    evaluate = Evaluator(program, data.validation, frozen, reference)
     profile = ProfileWindow(profile_steps, run_dir / "profile", main, say)
-    parts = LoopParts(program.train_step, frozen, batches, evaluate, checkpointer, log, profile)
+    parts = LoopParts(program.train_step, frozen, batches, evaluate, checkpointer, log, profile, reference)
     try:
         stopped_at = run_loop(parts, state, start, cfg.train.steps)
     finally:
