@@ -75,14 +75,16 @@ def _torch_reply_logps(model, sequences) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _where(packed, rendered) -> dict[int, tuple[int, int]]:
-    """Pair index -> (row, k): where packing put each pair (matched by its chosen tokens)."""
+    """Pair index -> (row, k): where packing put each pair (matched by the tokens of its first sequence,
+    chosen or rejected, so a packer that swaps the two is caught by the log-prob comparison)."""
     out = {}
     for r in range(len(packed)):
         for k in range(int(packed.pair_mask[r].sum())):
             at = np.flatnonzero(packed.segment_ids[r] == 2 * k)
             tokens = packed.tokens[r, at[0] : at[-1] + 1].tolist()
-            (i,) = [i for i, p in enumerate(rendered) if p.chosen[0] == tokens]
+            (i,) = [i for i, p in enumerate(rendered) if tokens in (p.chosen[0], p.rejected[0])]
             out[i] = (r, k)
+    assert sorted(out) == list(range(len(rendered)))
     return out
 
 
