@@ -367,7 +367,14 @@ def test_finetune_config_errors_name_the_field():
 
 
 @pytest.mark.parametrize(
-    "finetune", ["{lora: {rank: 4, targets: [q, k, v, o, gate, up, down]}}", "{train_last_layers: 1}"]
+    "finetune",
+    [
+        "{lora: {rank: 4, targets: [q, k, v, o, gate, up, down]}}",
+        "{train_last_layers: 1}",
+        # QLoRA: the NF4 codes and scales sharded like the weights (double-quantized scales too), and int8
+        "{lora: {rank: 4, targets: [q, k, v, o, gate, up, down]}, quantize_base: nf4, double_quant: true}",
+        "{lora: {rank: 4, targets: [q, o, down]}, quantize_base: int8}",
+    ],
 )
 def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
     from jax.sharding import NamedSharding
@@ -405,3 +412,45 @@ def test_resume_refuses_another_finetune_setting(chat_runs, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.finetune" in err[0]
     assert sorted(p.name for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
+
+
+def test_qlora_run_exports_peft_on_its_dequantized_base_and_a_merged_model(chat_runs):
+    """A QLoRA run (NF4 base, double-quantized scales) from the SFT base: its checkpoint holds adapters
+    only; `export peft --write-base` writes the dequantized base it trained on, and PEFT's adapters on
+    that base give shipyard's logits; `export hf` writes the merged dequantized model, the same again."""
+    torch = pytest.importorskip("torch")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shipyard.runs import load_model
+
+    root = chat_runs["root"]
+    qlora = ["train.finetune.quantize_base=nf4", "train.finetune.double_quant=true"]
+    run = train_sft(root, "qlora", chat_runs["train"], None, *chat_runs["lora_args"], *qlora)
+    state = restore(run / "checkpoints", 12, None)
+    assert set(state["params"]) == {"blocks", "moe_blocks"}  # adapters only: the base is never saved
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 12 and all(np.isfinite(losses))  # learning: tests/test_sft_learns.py
+    out = root / "qlora-adapter"
+    args = ["export", "peft", str(run), str(out), "--write-base", str(root / "qlora-base")]
+    assert main(args) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        root / "qlora-base"
+    )
+    cfg, _, merged = load_model(run)
+    ids = np.random.default_rng(0).integers(0, 263, (2, 20))
+    ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
+    hf = AutoModelForCausalLM.from_pretrained(root / "qlora-base", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(hf, out).eval()(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    assert main(["export", "hf", str(run), str(root / "qlora-merged")]) == 0
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(root / "qlora-merged", dtype=torch.float32)(
+            torch.tensor(ids)
+        )
+    np.testing.assert_allclose(plain.logits.numpy(), ours, atol=1e-4)
+    # the base really is the quantized one: the unquantized SFT base differs from it
+    _, _, sft = load_model(chat_runs["base"])
+    base_wq = hf.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    assert not np.allclose(base_wq, np.asarray(sft.blocks.wq[0]).reshape(64, -1).T, atol=1e-4)

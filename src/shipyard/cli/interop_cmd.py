@@ -27,17 +27,50 @@ def _cmd_export_hf(args) -> int:
 
 
 def _cmd_export_peft(args) -> int:
+    from shipyard.errors import ConfigError
     from shipyard.interop.peft import write_peft_dir
     from shipyard.runs import open_model_dir
 
-    cfg, step, adapters = open_model_dir(args.run_dir, "export peft").load_adapters(args.step)
-    info = write_peft_dir(cfg, adapters, args.out, args.base)
+    if args.base is not None and args.write_base is not None:
+        raise ConfigError("export peft: give --base (a base exported before) or --write-base, not both")
+    model_dir = open_model_dir(args.run_dir, "export peft")
+    refuse_existing(args.out, "export peft")
+    cfg, step, adapters = model_dir.load_adapters(args.step)
+    if args.write_base is not None:
+        refuse_existing(args.write_base, "export peft --write-base")
+        _write_frozen_base(model_dir, args.write_base)
+    base = args.base if args.write_base is None else str(args.write_base)
+    info = write_peft_dir(cfg, adapters, args.out, base)
+    quantized = cfg.train.finetune.quantize_base
+    on = (
+        f"{base!r} (the run's frozen base{', dequantized from ' + quantized if quantized else ''})"
+        if args.write_base is not None
+        else "<the base exported with `shipyard export hf`>"
+    )
     print(
         f"exported the LoRA adapters of checkpoint {step} of {args.run_dir} to {args.out} "
         f"({info['tensors']} tensors on {', '.join(info['targets'])}); load with peft.PeftModel.from_pretrained("
-        f"<the base exported with `shipyard export hf`>, {str(args.out)!r})"
+        f"{on}, {str(args.out)!r})"
     )
     return 0
+
+
+def _write_frozen_base(model_dir, out: Path) -> None:
+    """The run's frozen base as a Hugging Face directory, exactly as the run trained on it: a QLoRA
+    run's base quantized (as train did) and dequantized, so PEFT's adapters on it compute the run's
+    logits (the unquantized init_from would not)."""
+    import jax
+
+    from shipyard.interop.hf import write_hf_dir
+    from shipyard.model.transformer import param_specs
+    from shipyard.runs import base_params
+    from shipyard.train.finetune import Partition
+
+    cfg = model_dir.config
+    partition = Partition(cfg.model, cfg.train.finetune)
+    base = base_params(cfg, param_specs(cfg.model), None)
+    params = jax.jit(partition.base_for_export)(partition.frozen(base))
+    write_hf_dir(params, cfg.model, out, model_dir.tokenizer())
 
 
 def _cmd_export_stablehlo(args) -> int:
@@ -91,6 +124,13 @@ def register(sub) -> None:
         "--base",
         default=None,
         help="recorded as base_model_name_or_path (the exported base model's directory)",
+    )
+    exp.add_argument(
+        "--write-base",
+        type=Path,
+        default=None,
+        help="also write the run's frozen base as a Hugging Face directory (must not exist) and record it; "
+        "for a QLoRA run, the dequantized base it trained on (the base the adapters reproduce the run on)",
     )
     exp.set_defaults(func=_cmd_export_peft)
     exs = ex_sub.add_parser(

@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import RopeScaling
-from shipyard.model import quant
+from shipyard.model import nf4, quant
 
 
 def dense(x: jax.Array, w) -> jax.Array:
-    """x[..., in] @ w[in, out]; w an array or an int8 `quant.QuantizedMatrix` (inference only)."""
+    """x[..., in] @ w[in, out]; w an array, an int8 `quant.QuantizedMatrix` or an `nf4.NF4Matrix`
+    (the quantized ones: inference, and QLoRA's frozen base, which gets no weight gradient)."""
+    if nf4.is_nf4(w):
+        return nf4.matmul(x, w)
     if quant.is_quantized(w):
         return quant.matmul(x, w)
     return _dense(x, w)

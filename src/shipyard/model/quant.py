@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from shipyard.model import nf4
 
 INT8_MAX = 127.0
 
@@ -89,6 +92,10 @@ def apply(fn: Callable, *ws):
     slicing, concatenation, stacking, transposes): they keep `q * scale`
     meaning the same weight because the scale broadcasts along the input axes.
     """
+    if any(nf4.is_nf4(w) for w in ws):
+        if not all(nf4.is_nf4(w) for w in ws):
+            raise TypeError("cannot combine NF4 and other weights in one matrix")
+        return nf4.apply(fn, *ws)
     kinds = {is_quantized(w) for w in ws}
     if kinds == {False}:
         return fn(*ws)
@@ -118,12 +125,36 @@ LO_SCALE = 2 * INT8_MAX
 
 
 def matmul(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    """x[..., in] @ w[in, out] in x's dtype (fp32 accumulation): `int8_dot` on CPU, else `dequantized_dot`."""
+    """x[..., in] @ w[in, out] in x's dtype (fp32 accumulation): `int8_dot` on CPU, else `dequantized_dot`.
+
+    Differentiable in x (QLoRA's int8 base): the gradient is dy @ dequantize(w)^T (`int8_dot` rounds the
+    activations, whose derivative would be zero); the weight itself gets none (it is frozen).
+    """
     if w.ndim != 2:
         raise ValueError(f"matmul takes a 2-D quantized matrix, got shape {w.shape}")
     x2 = x.reshape(-1, x.shape[-1])
+    return _matmul2(x2, w.q, w.scale).astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+
+
+@jax.custom_vjp
+def _matmul2(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     dot = int8_dot if jax.default_backend() == "cpu" else dequantized_dot
-    return dot(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+    return dot(x2, QuantizedMatrix(q, scale))
+
+
+def _matmul2_fwd(x2, q, scale):
+    # Residuals: the int8 values (not a float copy of the weight) and an empty array carrying x's dtype.
+    return _matmul2(x2, q, scale), (q, scale, jnp.zeros((0,), x2.dtype))
+
+
+def _matmul2_bwd(res, dy):
+    q, scale, like = res
+    w = (q.astype(jnp.float32) * scale).astype(like.dtype)
+    dx = jax.lax.dot(dy.astype(like.dtype), w.T, preferred_element_type=jnp.float32).astype(like.dtype)
+    return dx, np.zeros(q.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+
+_matmul2.defvjp(_matmul2_fwd, _matmul2_bwd)
 
 
 def int8_dot(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
@@ -205,3 +236,83 @@ def maybe_quantize(params, cfg, quantize: str | None):
     if quantize != "int8":
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {quantize!r}")
     return quantize_params(params, cfg)
+
+
+# ----------------------------------------------------------------------------- QLoRA's frozen base
+
+BASE_MODES = ("nf4", "int8")
+"""What `train.finetune.quantize_base` accepts."""
+
+
+def is_any_quantized(w) -> bool:
+    """An int8 `QuantizedMatrix` or an `nf4.NF4Matrix` (a params-tree node standing for one weight)."""
+    return is_quantized(w) or nf4.is_nf4(w)
+
+
+def quantize_weight(w: jax.Array, spec, mode: str, block: int = 64, double_quant: bool = False):
+    """One weight (its `ArraySpec` gives the contracted axes) as `mode`: int8 per output channel or NF4."""
+    if mode == "int8":
+        return quantize(w, spec.fan_in_axes)
+    return nf4.quantize(w, spec.fan_in_axes, block, double_quant)
+
+
+def quantized_spec(spec, mode: str, block: int = 64, double_quant: bool = False):
+    """The `ArraySpec`s of `quantize_weight`'s result, in the same node type (for shapes, shardings and
+    planning): every array keeps the weight's logical axes, so it is sharded like the weight (a dim the
+    mesh no longer divides, such as a few absmax blocks, stays replicated)."""
+    from shipyard.model.params import ArraySpec  # params imports parallel.mesh: keep this module light
+
+    def arr(shape, axes, dtype):
+        return ArraySpec(tuple(shape), tuple(axes), "zeros", role="weight", dtype=dtype)
+
+    axes, fan_in = spec.logical_axes, spec.fan_in_axes
+    if mode == "int8":
+        scale_shape = [1 if i in fan_in else d for i, d in enumerate(spec.shape)]
+        scale_axes = [None if i in fan_in else a for i, a in enumerate(axes)]
+        return QuantizedMatrix(arr(spec.shape, axes, jnp.int8), arr(scale_shape, scale_axes, jnp.float32))
+    shapes = nf4.layout(spec.shape, fan_in, block, double_quant)
+    lead = axes[: min(fan_in)]
+    return nf4.NF4Matrix(
+        codes=arr(shapes["codes"], axes, jnp.uint8),
+        absmax=arr(shapes["absmax"], axes, jnp.uint8 if double_quant else jnp.float32),
+        absmax2=None if not double_quant else arr(shapes["absmax2"], (*lead, None), jnp.float32),
+        offset=None if not double_quant else arr(shapes["offset"], lead, jnp.float32),
+        out_ndim=len(spec.shape) - max(fan_in) - 1,
+        block=block,
+    )
+
+
+def map_block_weights(fn, params, specs):
+    """`params` (a TransformerParams, or its spec tree) with each attention and dense-MLP weight of both
+    layer stacks replaced by fn(weight, its spec) (`specs`: the model's `param_specs`). The embedding,
+    norms, output head, MoE router and experts are left as they are."""
+
+    def stack(blocks, block_specs):
+        if blocks is None:
+            return None
+        new = {}
+        for name in BLOCK_WEIGHTS:
+            w = getattr(blocks, name)
+            if w is not None:
+                new[name] = fn(w, getattr(block_specs, name))
+        return dataclasses.replace(blocks, **new)
+
+    return dataclasses.replace(
+        params,
+        blocks=stack(params.blocks, specs.blocks),
+        moe_blocks=stack(params.moe_blocks, specs.moe_blocks),
+    )
+
+
+def dequantize_any(w, dtype=jnp.float32):
+    """A weight as a plain array: int8 and NF4 matrices dequantized, arrays returned as they are."""
+    if nf4.is_nf4(w):
+        return nf4.dequantize(w, dtype)
+    if is_quantized(w):
+        return dequantize(w, dtype)
+    return w
+
+
+def dequantize_params(params):
+    """`params` with every quantized weight (int8 or NF4) replaced by its fp32 dequantized array."""
+    return jax.tree.map(dequantize_any, params, is_leaf=is_any_quantized)

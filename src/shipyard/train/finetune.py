@@ -7,6 +7,16 @@ params from the two for the forward pass. Checkpoints hold the train state,
 so a fine-tuning checkpoint stores the adapters (or trained layers) alone;
 the frozen part is re-read from `train.init_from` (or the seeded init), which
 is what export, generate and resume do via `Partition.merge`.
+
+QLoRA (`finetune.quantize_base`): `frozen(params)` quantizes the base's
+attention and dense-MLP weights once (NF4 `model.nf4.NF4Matrix` or int8
+`model.quant.QuantizedMatrix`), and the frozen part's specs, shardings and
+abstract form describe that quantized tree, so the train step takes uint8 /
+int8 codes as its frozen argument (and planning and XLA's memory analysis
+count them). Each matmul dequantizes its weight inside the step; nothing is
+re-quantized per step. The embedding, norms, output head and MoE layers stay
+in fp32 as QLoRA leaves them. `merged_for_export` dequantizes before folding
+the adapters in: export, generate, eval and chat see the model that trained.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import FinetuneConfig, ModelConfig
+from shipyard.errors import ConfigError
+from shipyard.model import quant
 from shipyard.model.lora import as_lora_params, lora_specs, merge_into_base
 from shipyard.model.params import ArraySpec, abstract_params, init_params, is_spec, param_shardings
 from shipyard.model.transformer import TransformerParams, param_specs
@@ -55,6 +67,26 @@ class Partition:
         if self.kind != "last_layers":
             return 0
         return self.model.num_layers - self.finetune.train_last_layers
+
+    @property
+    def quantize_base(self) -> str | None:
+        """How the frozen base is held: "nf4", "int8" (QLoRA) or None (as the params are)."""
+        return self.finetune.quantize_base if self.kind == "lora" else None
+
+    def _quantized_specs(self, full):
+        ft = self.finetune
+
+        def spec(_, s):
+            try:
+                return quant.quantized_spec(s, ft.quantize_base, ft.quant_block, ft.double_quant)
+            except ValueError as e:
+                raise ConfigError(
+                    f"train.finetune.quant_block: {ft.quant_block} does not fit the weights of shape {s.shape} "
+                    f"(input axes {s.fan_in_axes}): {e}; choose a block size that divides each weight's "
+                    "input (e.g. 32 or 64 for hidden sizes and head dims that are multiples of it)"
+                ) from None
+
+        return quant.map_block_weights(spec, full, full)
 
     def _cut(self, name: str) -> int:
         """Index within stack `name` where its trainable layers start."""
@@ -98,6 +130,8 @@ class Partition:
         if self.kind == "full":
             return None
         full = param_specs(self.model)
+        if self.quantize_base is not None:
+            return self._quantized_specs(full)
         return full if self.kind == "lora" else self._split_layers(full, _spec_rows)[1]
 
     def frozen_shardings(self, mesh, rules):
@@ -112,8 +146,13 @@ class Partition:
         return None if specs is None else abstract_params(specs, shardings)
 
     def compute_params(self, trainable, frozen, dtype) -> TransformerParams:
-        """The forward pass's params: both parts in the compute `dtype`, joined (`merge`)."""
-        return self.merge(*jax.tree.map(lambda x: x.astype(dtype), (trainable, frozen)))
+        """The forward pass's params: both parts in the compute `dtype`, joined (`merge`). A quantized
+        base's codes and scales stay as they are: each matmul dequantizes them to its input's dtype."""
+
+        def cast(x):
+            return x if quant.is_any_quantized(x) else x.astype(dtype)
+
+        return self.merge(*jax.tree.map(cast, (trainable, frozen), is_leaf=quant.is_any_quantized))
 
     def initial(self, params: TransformerParams, key: jax.Array, shardings=None):
         """The trainable tree to start from: the model's own params (or its last layers), or fresh
@@ -127,10 +166,21 @@ class Partition:
             trainable = jax.device_put(trainable, shardings)
         return trainable
 
-    def frozen(self, params: TransformerParams):
-        """The part of `params` that does not train (None for full training)."""
+    def frozen(self, params: TransformerParams, shardings=None):
+        """The part of `params` that does not train (None for full training). With `quantize_base`, the
+        base with its block weights quantized (deterministic: the same codes bit for bit every time),
+        placed on `shardings` (`frozen_shardings`) when given."""
         if self.kind == "full":
             return None
+        if self.quantize_base is not None:
+            ft, full = self.finetune, param_specs(self.model)
+            self.frozen_specs()  # one clear line for a block size that does not fit, before any tracing
+
+            def one(w, spec):
+                return quant.quantize_weight(w, spec, ft.quantize_base, ft.quant_block, ft.double_quant)
+
+            placed = {} if shardings is None else {"out_shardings": shardings}
+            return jax.jit(lambda p: quant.map_block_weights(one, p, full), **placed)(params)
         return params if self.kind == "lora" else self._split_layers(params, _array_rows)[1]
 
     def merge(self, trainable, frozen) -> TransformerParams:
@@ -167,6 +217,16 @@ class Partition:
             lm_head=pick("lm_head"),
         )
 
+    def base_for_export(self, frozen) -> TransformerParams:
+        """A LoRA run's frozen base as plain params, as the run trained on it (a quantized base
+        dequantized to fp32): what PEFT's adapters go on to compute the run's logits."""
+        if self.kind != "lora":
+            raise ValueError(f"base_for_export: a {self.kind} run's frozen part is not a whole model")
+        return quant.dequantize_params(frozen) if self.quantize_base is not None else frozen
+
     def merged_for_export(self, trainable, frozen) -> TransformerParams:
-        """Plain model params (LoRA folded into the weights): what export and generation use."""
+        """Plain model params (LoRA folded into the weights, a quantized base dequantized to fp32 first):
+        what export and generation use."""
+        if self.quantize_base is not None:
+            frozen = quant.dequantize_params(frozen)
         return merge_into_base(self.merge(trainable, frozen))
