@@ -44,7 +44,7 @@ HISTORY = [
 ]
 CONFIGS = {
     "dpo": PreferenceConfig(loss="dpo", beta=0.1),
-    "dpo-label-smoothing": PreferenceConfig(loss="dpo", beta=0.5, label_smoothing=0.2),
+    "dpo-label-smoothing": PreferenceConfig(loss="dpo", beta=0.25, label_smoothing=0.2),
     "simpo": PreferenceConfig(loss="simpo", beta=2.0, gamma=0.5),
     "simpo-label-smoothing": PreferenceConfig(loss="simpo", beta=2.5, gamma=0.3, label_smoothing=0.1),
 }
@@ -152,8 +152,8 @@ def _torch_loss(cfg: PreferenceConfig, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
 def test_the_same_models_give_the_same_reply_logps(world):
     for name in ("policy", "reference"):
         chosen, rejected = _per_pair(world, world[name])
-        np.testing.assert_allclose(chosen, world[f"torch_{name}"][0], rtol=0, atol=2e-5)
-        np.testing.assert_allclose(rejected, world[f"torch_{name}"][1], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(chosen, world[f"torch_{name}"][0], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(rejected, world[f"torch_{name}"][1], rtol=0, atol=1e-4)
     counts = _per_pair(world, world["counts"])
     np.testing.assert_array_equal(counts[0], world["torch_counts"][0])
     np.testing.assert_array_equal(counts[1], world["torch_counts"][1])
