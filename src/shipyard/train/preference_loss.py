@@ -35,20 +35,19 @@ def reply_logps(
     """(summed log p(target) [B, num_slots] fp32, tokens [B, num_slots] fp32) per reply slot.
 
     logits [B, L, V] (any dtype; upcast here), targets and slots [B, L]
-    (slot -1: not a reply token). A segment sum over the flattened batch, not
-    a [B, L, slots] one-hot: that array would be as large as the logits for
-    long rows.
+    (slot -1: not a reply token). A segment sum per row, not a [B, L, slots]
+    one-hot (as large as the logits for long rows); per row so the result
+    keeps the batch axis, and its sharding, of the inputs.
     """
-    batch = targets.shape[0]
     lse, target_logit, _ = token_stats(logits.astype(jnp.float32), targets)
-    logp = target_logit - lse
     valid = slots >= 0
-    # row b's slot s is bucket b * num_slots + s; untrained positions go to one spare bucket at the end
-    dump = batch * num_slots
-    bucket = jnp.where(valid, slots + num_slots * jnp.arange(batch)[:, None], dump).reshape(-1)
-    sums = jax.ops.segment_sum(jnp.where(valid, logp, 0.0).reshape(-1), bucket, num_segments=dump + 1)
-    counts = jax.ops.segment_sum(valid.astype(jnp.float32).reshape(-1), bucket, num_segments=dump + 1)
-    return sums[:dump].reshape(batch, num_slots), counts[:dump].reshape(batch, num_slots)
+    logp = jnp.where(valid, target_logit - lse, 0.0)
+    bucket = jnp.where(valid, slots, num_slots)  # untrained positions go to one spare bucket, dropped
+
+    def per_row(x, b):
+        return jax.ops.segment_sum(x, b, num_segments=num_slots + 1)[:num_slots]
+
+    return jax.vmap(per_row)(logp, bucket), jax.vmap(per_row)(valid.astype(jnp.float32), bucket)
 
 
 @jax.tree_util.register_dataclass
