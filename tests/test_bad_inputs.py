@@ -248,7 +248,7 @@ CASES = [
     C("checkpoint flipped", lambda t, w: ["export", "hf", str(_flipped_run(t, w)), str(t / "o")], RUNDIR, "sha256"),
     C("checkpoint flipped generate", lambda t, w: ["generate", str(_flipped_run(t, w)), "--prompt", "a"], RUNDIR, "sha256"),
     C("init_from vocab size", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=400", f"train.init_from={w.run}"), CONFIG, "train.resize_vocab: true"),
-    C("init_from other tokenizer", lambda t, w: [*_chat_cfg(t, w, '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'), f"data.chat.tokenizer={_byte_tokenizer(t)}", f"train.init_from={w.run}"], CONFIG, "another vocabulary"),
+    C("init_from other tokenizer", lambda t, w: [*_chat_cfg(t, w, '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'), f"data.chat.tokenizer={_byte_tokenizer(t)}", "data.chat.template=shipyard", f"train.init_from={w.run}"], CONFIG, "another vocabulary"),
     C("resize_vocab under lora", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=400", f"train.init_from={w.run}", "train.resize_vocab=true", "train.finetune={lora: {rank: 4}}"), CONFIG, "train.finetune"),
     C("init_from flipped", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", f"train.init_from={_flipped_run(t, w)}"), RUNDIR, "sha256"),
     C("sidecar unreadable", lambda t, w: ["eval", str(_bad_sidecar(t, w)), "--tokens", f"v={w.shards}"], RUNDIR, "unreadable"),

@@ -26,6 +26,7 @@ from shipyard.runs import load_model
 
 QUIET = ["train.logging.progress=false", "train.logging.tensorboard=false", "train.logging.log_every=1"]
 PADDING = 4  # the resized model's vocabulary is B's size plus this many padding rows
+BASE_PADDING = 8  # the base's padding rows past A's tokens: the mean leaves them out
 
 
 def _tokenizer(root: Path, name: str, texts: list[str], vocab_size: int) -> Path:
@@ -71,8 +72,8 @@ def _train_args(run_dir: Path, shards: Path, vocab: int, *extra: str) -> list[st
 
 @pytest.fixture(scope="module")
 def swap(tmp_path_factory):
-    """Tokenizers A (code-like text) and B (prose), their shards, a 20-step base on A and a 12-step
-    resized run on B (checkpoints 6 and 12)."""
+    """Tokenizers A (code-like text) and B (prose), their shards, a 20-step base on A (with padding
+    rows) and a 12-step resized run on B (checkpoints 6 and 12)."""
     root = tmp_path_factory.mktemp("resize")
     tok_a = _tokenizer(root, "a", corpus(300), 300)
     tok_b = _tokenizer(root, "b", [prose(i, 120) for i in range(120)] + corpus(40), 340)
@@ -80,7 +81,10 @@ def swap(tmp_path_factory):
     size_a = len(_vocab(tok_a))
     size_b = len(_vocab(tok_b)) + PADDING
     base = root / "base"
-    assert main(_train_args(base, shards_a, size_a, "train.steps=20", "train.checkpoint.every=20")) == 0
+    base_args = _train_args(
+        base, shards_a, size_a + BASE_PADDING, "train.steps=20", "train.checkpoint.every=20"
+    )
+    assert main(base_args) == 0
     resized_args = [
         f"train.init_from={base}",
         "train.resize_vocab=true",
@@ -137,9 +141,8 @@ def test_shared_rows_are_copied_bitwise_and_new_rows_start_at_the_mean(swap):
         for x, y in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(old, name))):
             assert np.array_equal(x, y)
     fresh = swap["size_b"] - len(copied)
-    expected = (
-        f"resized the vocabulary {swap['size_a']} -> {swap['size_b']}: {len(copied)} rows copied, {fresh} new"
-    )
+    sizes = f"{swap['size_a'] + BASE_PADDING} -> {swap['size_b']}"
+    expected = f"resized the vocabulary {sizes}: {len(copied)} rows copied, {fresh} new"
     assert any(expected in line for line in lines), lines
 
 
@@ -148,7 +151,9 @@ def test_the_run_header_records_the_resize_and_the_loss_on_b_falls(swap):
     copied, _ = _expected_rows(swap)
     assert prov["rows_copied"] == len(copied) and prov["padding_rows"] == PADDING
     assert prov["rows_new"] == swap["size_b"] - len(copied)
-    assert prov["from_vocab_size"] == swap["size_a"] and prov["to_vocab_size"] == swap["size_b"]
+    assert (
+        prov["from_vocab_size"] == swap["size_a"] + BASE_PADDING and prov["to_vocab_size"] == swap["size_b"]
+    )
     assert Path(prov["to_tokenizer"]["path"]) == swap["shards_b"]
     losses = [json.loads(x)["loss"] for x in (swap["run"] / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12 and np.isfinite(losses).all()
@@ -166,7 +171,7 @@ def test_without_the_flag_one_line_and_no_run_directory(swap, tmp_path, capsys):
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "train.resize_vocab: true" in err[0], err
-    assert f"{swap['size_a']}" in err[0] and f"{swap['size_b']}" in err[0]
+    assert f"{swap['size_a'] + BASE_PADDING}" in err[0] and f"{swap['size_b']}" in err[0]
     assert not (tmp_path / "refused").exists()
 
 
@@ -180,6 +185,7 @@ def test_resume_of_a_resized_run_is_bitwise(swap, tmp_path):
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     again = [json.loads(x)["loss"] for x in (copy / "metrics.jsonl").read_text().splitlines()]
     assert losses == again
+    assert json.loads((copy / "provenance.json").read_text())["vocab_resize"]["rows_new"] > PADDING
     a, b = load_model(run).params, load_model(copy).params
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 

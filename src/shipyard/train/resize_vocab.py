@@ -112,6 +112,8 @@ def plan_resize(old_tokenizer: Path, new_tokenizer: Path, old_size: int, new_siz
         if i < new_size and j is not None and j < old_size:
             source[i] = j
     mean_rows = np.array(sorted(j for j in old.values() if j < old_size), np.int32)
+    if not len(mean_rows):  # a base tokenizer with no id inside the base's vocabulary: all its rows
+        mean_rows = np.arange(old_size, dtype=np.int32)
     return VocabPlan(
         old_tokenizer,
         new_tokenizer,
