@@ -208,3 +208,54 @@ def test_export_hf_of_the_resized_run_loads_in_transformers(swap, tmp_path):
     weights = load_model(swap["run"])
     ours = np.asarray(logits(weights.params, np.asarray([ids]), weights.config.model))[0]
     np.testing.assert_allclose(theirs, ours, atol=2e-4)
+
+
+def test_on_a_tensor_mesh_the_resize_is_the_one_device_one(swap):
+    """tensor=8 shards the run's vocabulary (344 rows) but not the base's (308): the base is read
+    with that axis dropped (`fitted`) and the resized tables land on the run's shardings. Copied
+    rows and every other weight are bitwise the one-device ones; the mean rows agree to rounding
+    (the partitioned mean may add in another order)."""
+    from shipyard.model.params import param_shardings
+    from shipyard.model.transformer import param_specs
+    from shipyard.runs import base_params
+    from shipyard.train.program import build_program
+
+    cfg = load_config(str(swap["run"] / "config.yaml"), ["mesh.data=1", "mesh.tensor=8"])
+    program = build_program(cfg)
+    specs = param_specs(cfg.model)
+    shardings = param_shardings(specs, program.mesh, program.rules)
+    assert shardings.embed.spec[0] == "tensor" and (swap["size_a"] + BASE_PADDING) % 8
+    sharded = base_params(cfg, specs, shardings)
+    assert sharded.embed.sharding == shardings.embed and sharded.lm_head.sharding == shardings.lm_head
+    plain = base_params(cfg, specs, None)
+    copied = np.asarray(sorted(_expected_rows(swap)[0]))
+    for name in ("embed", "lm_head"):
+        x, y = np.asarray(getattr(sharded, name)), np.asarray(getattr(plain, name))
+        axis = 0 if name == "embed" else 1
+        assert np.array_equal(x.take(copied, axis), y.take(copied, axis))
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+    for x, y in zip(jax.tree.leaves(sharded.blocks), jax.tree.leaves(plain.blocks)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_tied_model_of_the_same_size_remaps_its_embedding(swap):
+    """Same vocabulary size, other tokenizer: rows move to the ids B gives the same strings; a tied
+    model has no head to resize."""
+    from model_fixtures import noisy_params
+
+    from shipyard.train.resize_vocab import plan_resize, resize_params
+
+    size = swap["size_b"]
+    cfg = load_config("tiny", [f"model.vocab_size={size}", "model.tie_embeddings=true"]).model
+    params = jax.tree.map(jax.numpy.asarray, noisy_params(cfg, 0, 5, 0.05))
+    assert params.lm_head is None
+    plan = plan_resize(swap["tok_a"], swap["tok_b"], size, size)
+    resized = np.asarray(resize_params(params, plan).embed)
+    copied, token_rows = _expected_rows(swap)
+    old = np.asarray(params.embed)
+    assert any(i != j for i, j in copied.items())  # some shared tokens have other ids in B
+    for i in range(size):
+        if i in copied:
+            assert np.array_equal(resized[i], old[copied[i]])
+        else:
+            np.testing.assert_allclose(resized[i], old[token_rows].mean(axis=0), rtol=1e-6, atol=1e-7)
