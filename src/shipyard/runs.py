@@ -405,9 +405,10 @@ def vocab_plan(cfg: Config):
     old_size, new_size = base.model.vocab_size, cfg.model.vocab_size
     where = f"train.init_from: {Path(cfg.train.init_from).absolute()}"
     if old_size != new_size:
+        named = [f"tokenizer {t}" if t is not None else "no tokenizer.json" for t in (old_tok, new_tok)]
         problem = (
-            f"{where} has a vocabulary of {old_size} (tokenizer {old_tok}), this run's model.vocab_size is "
-            f"{new_size} (tokenizer {new_tok})"
+            f"{where} has a vocabulary of {old_size} ({named[0]}), this run's model.vocab_size is "
+            f"{new_size} ({named[1]})"
         )
     elif old_tok is None or new_tok is None or old_tok.absolute() == new_tok.absolute():
         return None  # nothing to compare ids with, or the very same tokenizer
@@ -465,8 +466,9 @@ def _init_from_config(cfg: Config) -> Config | None:
 def check_init_from(cfg: Config) -> None:
     """What train.init_from names, checked before a run writes anything (its params are read
     later): it exists, a model directory there holds a model of this shape (the vocabulary may
-    differ only with train.resize_vocab: `vocab_plan`), and the checkpoints it will be read from verify (the run it names, that run's own base, and so on; imports and HF
-    directories carry no checksums)."""
+    differ only with train.resize_vocab: `vocab_plan`), and the checkpoints it will be read from
+    verify (the run it names, that run's own base, and so on; imports and HF directories carry no
+    checksums)."""
     if cfg.train.init_from is None:
         return
     path = Path(cfg.train.init_from).absolute()
