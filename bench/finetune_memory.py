@@ -1,4 +1,4 @@
-"""Memory of one fine-tuning step on the `small` preset: full training vs LoRA vs the last layers only.
+"""Memory of one fine-tuning step on the `small` preset: full training vs LoRA vs QLoRA vs the last layers.
 
 Compiles the train step (XLA's memory analysis, no step is run) for each
 variant on one CPU device with `shipyard.plan.compiled`, the same numbers
@@ -6,6 +6,12 @@ variant on one CPU device with `shipyard.plan.compiled`, the same numbers
 temporaries (activations, gradients, optimizer update), and the peak. Each
 variant is compiled with the preset's `remat: none` and with `remat: full`
 (which removes most activations, so the state's share shows).
+
+QLoRA variants hold the frozen base's attention and MLP weights as NF4 (or
+int8) codes + scales. Their `base_weight_bytes` is what XLA's memory analysis
+counts for those weights: the step's argument bytes minus those of the same
+LoRA step on the fp32 base, plus the fp32 bytes of those weights (the two
+steps differ only there); `base_vs_fp32` divides it by the fp32 bytes.
 
     .venv/bin/python bench/finetune_memory.py [--out bench/results/finetune_memory.json]
 """
@@ -24,6 +30,16 @@ VARIANTS = {
         "train.finetune={lora: {rank: 8, targets: [q, k, v, o, gate, up, down]}}"
     ],
     "lora r=8 on q,k,v,o": ["train.finetune={lora: {rank: 8}}"],
+    "qlora nf4 r=8 on q,k,v,o,gate,up,down": [
+        "train.finetune={lora: {rank: 8, targets: [q, k, v, o, gate, up, down]}, quantize_base: nf4}"
+    ],
+    "qlora nf4+double quant r=8 on all": [
+        "train.finetune={lora: {rank: 8, targets: [q, k, v, o, gate, up, down]}, quantize_base: nf4, "
+        "double_quant: true}"
+    ],
+    "qlora int8 r=8 on all": [
+        "train.finetune={lora: {rank: 8, targets: [q, k, v, o, gate, up, down]}, quantize_base: int8}"
+    ],
     "last 2 of 6 layers": ["train.finetune={train_last_layers: 2}"],
 }
 
@@ -60,6 +76,7 @@ def main() -> None:
                     "params_mib": c["params_bytes"] / 2**20,
                     "optimizer_mib": c["optimizer_bytes"] / 2**20,
                     "temp_mib": c["temp_bytes"] / 2**20,
+                    "argument_bytes": c["argument_bytes"],
                     "compile_s": time.perf_counter() - t0,
                 }
             )
@@ -69,11 +86,22 @@ def main() -> None:
                 f"params {r['params_mib']:6.1f}  optimizer {r['optimizer_mib']:6.1f}  temporaries {r['temp_mib']:7.1f}",
                 flush=True,
             )
+    fp32_base = 4 * block_weight_params(load_config("small").model)
     for remat in ("none", "full"):
         full = next(r for r in rows if r["remat"] == remat and r["variant"] == "full")
+        lora = next(
+            r for r in rows if r["remat"] == remat and r["variant"].startswith("lora r=8 on q,k,v,o,")
+        )
         for r in rows:
             if r["remat"] == remat:
                 r["peak_vs_full"] = r["peak_mib"] / full["peak_mib"]
+            if r["remat"] == remat and r["variant"].startswith("qlora"):
+                base = r["argument_bytes"] - lora["argument_bytes"] + fp32_base
+                r.update(base_weight_bytes=base, base_fp32_bytes=fp32_base, base_vs_fp32=base / fp32_base)
+                print(
+                    f"remat={remat:4s} {r['variant']:34s} base weights in the step's arguments "
+                    f"{base / 2**20:.2f} MiB = {base / fp32_base:.3f} x fp32 ({fp32_base / 2**20:.2f} MiB)"
+                )
     result = {
         "benchmark": "finetune_memory",
         "preset": "small (16M params, batch 8 x 256 tokens, fp32)",
@@ -83,6 +111,21 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def block_weight_params(model) -> int:
+    """Parameters of the attention and dense-MLP weights (what QLoRA quantizes) of `model`."""
+    from shipyard.model.quant import BLOCK_WEIGHTS
+    from shipyard.model.transformer import param_specs
+
+    specs = param_specs(model)
+    return sum(
+        getattr(stack, name).size
+        for stack in (specs.blocks, specs.moe_blocks)
+        if stack is not None
+        for name in BLOCK_WEIGHTS
+        if getattr(stack, name) is not None
+    )
 
 
 if __name__ == "__main__":

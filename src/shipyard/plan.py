@@ -115,6 +115,7 @@ def _fmt(n: float) -> str:
 def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     """Per-device bytes of params, gradients and optimizer state under the sharding rules."""
     import jax
+    import numpy as np
 
     from shipyard.model.params import is_spec
     from shipyard.parallel.mesh import logical_to_pspec, rules_for
@@ -138,9 +139,41 @@ def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
         trained += n
         muon_matrix = cfg.train.optimizer.name == "muon" and spec.role == "weight"
         opt += n * (4.0 if muon_matrix else 8.0)
-    frozen = sum(local(s) for s in jax.tree.leaves(partition.frozen_specs(), is_leaf=is_spec))
-    params = trained + frozen
-    return {"params": 4.0 * params, "grads": 4.0 * trained, "optimizer": opt, "params_count_local": params}
+    frozen_specs = partition.frozen_specs()
+    frozen = sum(local(s) for s in jax.tree.leaves(frozen_specs, is_leaf=is_spec))
+    # The frozen part at its own dtypes: a QLoRA base holds uint8 NF4 codes (or int8) and their scales.
+    frozen_bytes = sum(
+        local(s) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(frozen_specs, is_leaf=is_spec)
+    )
+    out = {"params": 4.0 * trained + frozen_bytes, "grads": 4.0 * trained, "optimizer": opt}
+    out["params_count_local"] = trained + frozen
+    if partition.quantize_base is not None:
+        out["quantized_base"] = _quantized_base(frozen_specs, partition.quantize_base, local)
+        out["params_count_local"] += out["quantized_base"]["params"] - out["quantized_base"]["stored"]
+    return out
+
+
+def _quantized_base(frozen_specs, mode: str, local) -> dict:
+    """The quantized block weights of a QLoRA base, per device: their parameters, stored elements and
+    bytes (codes + scales), and the bytes those parameters would take in fp32."""
+    import jax
+    import numpy as np
+
+    from shipyard.model import quant
+    from shipyard.model.params import is_spec
+
+    params = stored = nbytes = 0.0
+    for stack in (frozen_specs.blocks, frozen_specs.moe_blocks):
+        for name in quant.BLOCK_WEIGHTS:
+            node = None if stack is None else getattr(stack, name)
+            if not quant.is_any_quantized(node):
+                continue
+            leaves = jax.tree.leaves(node, is_leaf=is_spec)
+            main = node.codes if mode == "nf4" else node.q
+            params += local(main) * (2 if mode == "nf4" else 1)  # two NF4 codes a byte
+            stored += sum(local(s) for s in leaves)
+            nbytes += sum(local(s) * np.dtype(s.dtype).itemsize for s in leaves)
+    return {"mode": mode, "params": params, "stored": stored, "bytes": nbytes, "fp32_bytes": 4.0 * params}
 
 
 def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
@@ -194,7 +227,9 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
     state = _state_bytes(cfg, sizes)
     act = _activation_bytes(cfg, sizes)
     # A compute-dtype copy of the (sharded) params exists during the step for bf16/fp16.
-    copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else state["params"] / 2
+    # A QLoRA base is not copied: each matmul dequantizes its weight to the compute dtype.
+    castable = state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0)
+    copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else castable / 2
     total = state["params"] + state["grads"] + state["optimizer"] + copy + act["activations"] + act["logits"]
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -207,7 +242,8 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
         "params_active": num_active_params(cfg.model),
         # shipyard's policy (module doc); optimizer: 8 for AdamW, between 4 and 8 with Muon.
         "bytes_per_param": {
-            "params": 4.0,
+            # 4 (fp32); a QLoRA base (quantized_base) lowers the average
+            "params": state["params"] / max(state["params_count_local"], 1.0),
             # averaged over all params: with train.finetune only the trainable ones have these
             "grads": state["grads"] / max(state["params_count_local"], 1.0),
             "optimizer": state["optimizer"] / max(state["params_count_local"], 1.0),
@@ -221,6 +257,7 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
             "logits": act["logits"],
             "total": total,
         },
+        "quantized_base": state.get("quantized_base"),
         "microbatch_tokens_per_device": act["microbatch_tokens_per_device"],
         "flops_per_token": flops_tok,
         "flops_per_step": flops_tok * step_tokens,
@@ -400,17 +437,30 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
     return out
 
 
+def _quantized_line(q: dict | None) -> list[str]:
+    """The QLoRA line under `params`: the quantized base's bytes per parameter, scales included."""
+    if not q:
+        return []
+    return [
+        f"    of which the {q['mode']} base (attention + MLP weights): {_fmt(q['bytes'])} for {q['params']:,.0f} "
+        f"params = {q['bytes'] / max(q['params'], 1):.3g} B/param with scales (fp32: {_fmt(q['fp32_bytes'])}); "
+        "embedding, norms, head, MoE experts and adapters fp32"
+    ]
+
+
 def render(p: dict) -> str:
     """The plan as text a person reads."""
     b, bpp = p["bytes"], p["bytes_per_param"]
     lines = [
         f"mesh {p['mesh']} = {p['devices']} x {p['device']['name']} ({_fmt(p['device']['memory_bytes'])} each)",
         f"parameters: {p['params_total']:,} total, {p['params_active']:,} active per token",
-        f"train state per parameter: params {bpp['params']:.0f} B (fp32 master) + grads {bpp['grads']:.3g} B "
+        f"train state per parameter: params {bpp['params']:.3g} B "
+        f"({'fp32 master' if not p.get('quantized_base') else 'fp32 adapters and the rest, quantized base'}) + grads {bpp['grads']:.3g} B "
         f"+ optimizer {bpp['optimizer']:.3g} B = {sum(bpp.values()):.3g} B; unsharded "
-        f"{p['params_total']:,} x {sum(bpp.values()):.0f} B = {p['params_total'] * sum(bpp.values()) / 1e9:,.1f} GB",
+        f"{p['params_total']:,} x {sum(bpp.values()):.3g} B = {p['params_total'] * sum(bpp.values()) / 1e9:,.1f} GB",
         "per device (analytic):",
         f"  params        {_fmt(b['params'])}",
+        *_quantized_line(p.get("quantized_base")),
         f"  grads         {_fmt(b['grads'])}",
         f"  optimizer     {_fmt(b['optimizer'])}",
         f"  compute copy  {_fmt(b['compute_copy'])}",
