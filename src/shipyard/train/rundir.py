@@ -105,6 +105,7 @@ def _data_order_fields(old_train: dict, old_data: dict, cfg: Config) -> list[tup
     old_seed = old_data.get("seed")
     old_seed = old_train.get("seed", 0) if old_seed is None else old_seed
     old_chat, new_chat = old_data.get("chat") or {}, cfg.data.chat
+    old_pref, new_pref = old_data.get("preference") or {}, cfg.data.preference
     return [
         ("train.global_batch_size", old_train.get("global_batch_size"), cfg.train.global_batch_size),
         ("data.seq_len", old_data.get("seq_len"), cfg.data.seq_len),
@@ -118,13 +119,20 @@ def _data_order_fields(old_train: dict, old_data: dict, cfg: Config) -> list[tup
         ),
         ("data.chat.template", old_chat.get("template"), new_chat.template if new_chat else None),
         ("data.chat.pack", old_chat.get("pack"), new_chat.pack if new_chat else None),
+        ("data.preference.template", old_pref.get("template"), new_pref.template if new_pref else None),
+        ("data.preference.pack", old_pref.get("pack"), new_pref.pack if new_pref else None),
     ]
 
 
 def _source_paths(data: dict) -> list:
     """The training sources named in a dumped DataConfig."""
-    chat = data.get("chat") or {}
-    return [data.get("train_tokens"), *(c.get("path") for c in data.get("mixture") or ()), chat.get("train")]
+    chat, pref = data.get("chat") or {}, data.get("preference") or {}
+    sources = [
+        data.get("train_tokens"),
+        *(c.get("path") for c in data.get("mixture") or ()),
+        chat.get("train"),
+    ]
+    return sources + [pref.get("train")]
 
 
 def _check_same_data(run_dir: Path, cfg: Config, old_data: dict, inputs: dict[str, dict]) -> None:
