@@ -86,3 +86,34 @@ def test_sft_of_an_imported_model_with_its_own_template(tmp_path):
     run = tmp_path / "sft"
     _learns(run, held_out, str(hf), "data.seq_len=128", chat, "train.eval_every=500", *same, *QUIET)
     assert "chat_template" in json.loads((run / "tokenizer" / "tokenizer_config.json").read_text())
+
+
+@pytest.mark.slow
+def test_qlora_on_an_nf4_base_learns_the_task(tmp_path):
+    """QLoRA: the same task learnt by adapters alone on top of an NF4 base (double-quantized scales).
+    The base is a 150-step SFT run that does not do the task yet (exact match < 0.2); 1000 QLoRA steps
+    take it to >= 0.9 on held-out words, as LoRA on the fp32 base does (measured: both 1.0)."""
+    tok = write_tokenizer(tmp_path / "tok")
+    train, held_out = _task_files(tmp_path)
+    chat = f"data.chat={{train: {train}, validation: {held_out}, tokenizer: {tok}}}"
+    base = tmp_path / "base"
+    common = ["tiny", "data.seq_len=128", chat, *QUIET, "train.optimizer.lr=5e-3"]
+    _cli("train", *common, "--run-dir", str(base), "train.steps=150")
+
+    def exact_match(run):
+        _cli("eval", str(run), "--task", f"chat:{held_out}")
+        return json.loads((run / "eval.json").read_text())["tasks"]["chat:held"]["exact_match"]
+
+    assert exact_match(base) < 0.2
+    qlora = "{lora: {rank: 16, alpha: 32, targets: [q, k, v, o, gate, up, down]}, quantize_base: nf4, double_quant: true}"
+    run = tmp_path / "qlora"
+    _cli(
+        "train",
+        *common,
+        "--run-dir",
+        str(run),
+        "train.steps=1000",
+        f"train.init_from={base}",
+        f"train.finetune={qlora}",
+    )
+    assert exact_match(run) >= 0.9
