@@ -152,6 +152,27 @@ def _chat_cfg(t: Path, w: World, conversations: str) -> list[str]:
     ]
 
 
+def _pairs_cfg(t: Path, w: World, pairs: str, *overrides: str) -> list[str]:
+    """A DPO run on the pairs JSONL `pairs` (text) with the world's tokenizer."""
+    return [
+        "train",
+        "tiny",
+        "--run-dir",
+        str(t / "out"),
+        "data.train_tokens=null",
+        f"data.preference.train={_write(t / 'pairs.jsonl', pairs)}",
+        f"data.preference.tokenizer={w.tokenizer}",
+        "data.preference.template=chatml",
+        "train.preference={loss: dpo}",
+        "model.vocab_size=320",
+        "train.steps=2",
+        *overrides,
+    ]
+
+
+_PAIR = '{"prompt": "say a", "chosen": "A", "rejected": "a"}\n'
+
+
 def _train(t: Path, *overrides: str) -> list[str]:
     return ["train", "tiny", "--run-dir", str(t / "out"), *overrides]
 
@@ -255,6 +276,15 @@ CASES = [
     C("resume another seed", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.seed=5"], RUNDIR, "train.seed"),
     C("resume another batch", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.global_batch_size=16"], RUNDIR, "global_batch_size"),
     C("shard flipped", lambda t, w: _train(t, f"data.train_tokens={_corrupt_shards(t, w)}", "model.vocab_size=320"), DATA, "shard-00000"),
+    # preference pairs and QLoRA
+    C("pairs not json", lambda t, w: _pairs_cfg(t, w, "hello\n"), DATA, "pairs.jsonl line 1"),
+    C("pairs no rejected", lambda t, w: _pairs_cfg(t, w, '{"prompt": "say a", "chosen": "A"}\n'), DATA, "rejected"),
+    C("pairs all identical", lambda t, w: _pairs_cfg(t, w, '{"prompt": "say a", "chosen": "a", "rejected": "a"}\n'), DATA, "identical"),
+    C("pairs without a loss", lambda t, w: [a for a in _pairs_cfg(t, w, _PAIR) if not a.startswith("train.preference")], CONFIG, "train.preference"),
+    C("pairs with document masking", lambda t, w: _pairs_cfg(t, w, _PAIR, "data.document_masking=true"), CONFIG, "document_masking"),
+    C("simpo negative gamma", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.preference.loss=simpo", "train.preference.gamma=-1"), CONFIG, "gamma"),
+    C("quantize_base without lora", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={train_last_layers: 1, quantize_base: nf4}"), CONFIG, "lora"),
+    C("nf4 block does not divide", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={lora: {rank: 4}, quantize_base: nf4, quant_block: 48}"), CONFIG, "quant_block"),
     # chat JSONL
     C("chat role", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "bot", "content": "x"}]}\n'), DATA, "role"),
     C("chat not json", lambda t, w: _chat_cfg(t, w, "hello\n"), DATA, "chats.jsonl"),
