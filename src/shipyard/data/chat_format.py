@@ -183,27 +183,38 @@ def check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
-def read_conversations(path: str | Path) -> list[list[dict]]:
-    """Every conversation of a JSONL file ({"messages": [...]} per line; blank lines skipped)."""
+def read_jsonl_records(path: str | Path, section: str, expected: str, check, nothing: str) -> list:
+    """`check(record, where)` of every line of a JSONL file (blank lines skipped), `where` naming the
+    config section, file and line for its one-line errors; a missing file, a line that is not JSON
+    or a file with no records is a DataError (`expected` describes a line, `nothing` the records)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f'data.chat: {path} does not exist (expected a JSONL file of {{"messages": [...]}})')
+        raise DataError(f"{section}: {path} does not exist (expected a JSONL file of {expected})")
     out = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"data.chat: {path} line {n}"
+            where = f"{section}: {path} line {n}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or "messages" not in record:
-                raise DataError(f"{where}: expected an object with a 'messages' list")
-            out.append(check_messages(record["messages"], where))
+            out.append(check(record, where))
     if not out:
-        raise DataError(f"data.chat: {path} holds no conversations")
+        raise DataError(f"{section}: {path} holds no {nothing}")
     return out
+
+
+def _conversation(record, where: str) -> list[dict]:
+    if not isinstance(record, dict) or "messages" not in record:
+        raise DataError(f"{where}: expected an object with a 'messages' list")
+    return check_messages(record["messages"], where)
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """Every conversation of a JSONL file ({"messages": [...]} per line; blank lines skipped)."""
+    return read_jsonl_records(path, "data.chat", '{"messages": [...]}', _conversation, "conversations")
 
 
 @dataclass(frozen=True)

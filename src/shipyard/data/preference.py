@@ -27,13 +27,12 @@ segment sum.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.chat_format import ChatFormat, check_messages
+from shipyard.data.chat_format import ChatFormat, check_messages, read_jsonl_records
 from shipyard.errors import DataError
 
 PREFERENCE_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions", "slots", "pair_mask")
@@ -74,23 +73,7 @@ def _check_record(record, where: str) -> dict:
 
 def read_pairs(path: str | Path) -> list[dict]:
     """Every pair of a JSONL file (one per line, blank lines skipped) as {"messages", "chosen", "rejected"}."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.preference: {path} does not exist (expected a JSONL file of {_WHAT})")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"data.preference: {path} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-            out.append(_check_record(record, where))
-    if not out:
-        raise DataError(f"data.preference: {path} holds no pairs")
-    return out
+    return read_jsonl_records(path, "data.preference", _WHAT, _check_record, "pairs")
 
 
 @dataclass(frozen=True)

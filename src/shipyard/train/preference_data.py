@@ -9,19 +9,14 @@ identical replies, too long for a row) are counted by reason and left out.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from shipyard.config import Config
-from shipyard.data.chat_format import pad_id_of
-from shipyard.data.hf_template import HFTemplate
 from shipyard.data.preference import PackedPairs, PairBatchLoader, pack_pairs, read_pairs, render_pair
-from shipyard.data.shards import file_sha256
-from shipyard.data.tokenizer import tokenizer_sha256
 from shipyard.errors import DataError
 from shipyard.output import progress
 from shipyard.runs import chat_tokenizer_path
-from shipyard.train.sft_data import chat_format_for
+from shipyard.train.sft_data import checked_format, input_hashes
 
 
 def _tokenizer_path(cfg: Config) -> Path:
@@ -53,28 +48,12 @@ def load_preference_data(cfg: Config) -> dict:
     data.preference.validation), "tokenizer", "inputs" (for the run header), "summary"}."""
     data, seq_len = cfg.data.preference, cfg.data.seq_len
     tok_path = _tokenizer_path(cfg)
-    fmt = chat_format_for(tok_path, data.template)
-    vocab = fmt.tok.get_vocab_size(with_added_tokens=True)
-    if vocab > cfg.model.vocab_size:
-        raise DataError(
-            f"data.preference: the tokenizer {tok_path} has {vocab} tokens, more than model.vocab_size="
-            f"{cfg.model.vocab_size}; use the base model's tokenizer"
-        )
-    pad = pad_id_of(tok_path, fmt.tok)
+    fmt, pad = checked_format(cfg, "data.preference", tok_path, data.template)
     train = _packed(fmt, data.train, seq_len, pad, cfg.data_seed(), data.pack)
     validation = None
     if data.validation is not None:
         validation = _packed(fmt, data.validation, seq_len, pad, None, data.pack)
-    inputs = {"preference_train": {"path": str(data.train), "sha256": file_sha256(data.train)}}
-    if data.validation is not None:
-        inputs["preference_validation"] = {
-            "path": str(data.validation),
-            "sha256": file_sha256(data.validation),
-        }
-    inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
-    if isinstance(fmt.template, HFTemplate):
-        source = fmt.template.source.encode()
-        inputs["chat_template"] = {"path": fmt.template.where, "sha256": hashlib.sha256(source).hexdigest()}
+    inputs = input_hashes("preference", {"train": data.train, "validation": data.validation}, tok_path, fmt)
     summary = (
         f"shipyard: preference data: {train.pairs} pairs ({fmt.template.name} template) in {len(train)} rows "
         f"of {seq_len + 1} tokens, {train.fill():.0%} filled; bad pairs left out: {bad_pairs(train)}"

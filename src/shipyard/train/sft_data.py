@@ -35,19 +35,40 @@ def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
     return ChatFormat(tok, pick_template(template, tok, tok_path))
 
 
+def checked_format(cfg: Config, section: str, tok_path: Path, template: str) -> tuple[ChatFormat, int]:
+    """(chat format, pad id) of the tokenizer a run's `section` (data.chat, data.preference) renders
+    with; a tokenizer with more tokens than the model has ids is refused."""
+    fmt = chat_format_for(tok_path, template)
+    vocab = fmt.tok.get_vocab_size(with_added_tokens=True)
+    if vocab > cfg.model.vocab_size:
+        raise DataError(
+            f"{section}: the tokenizer {tok_path} has {vocab} tokens, more than model.vocab_size="
+            f"{cfg.model.vocab_size}; use the base model's tokenizer, or set model.vocab_size to at least "
+            f"{vocab} (with train.resize_vocab: true to resize a train.init_from model to it)"
+        )
+    return fmt, pad_id_of(tok_path, fmt.tok)
+
+
+def input_hashes(prefix: str, files: dict[str, str | None], tok_path: Path, fmt: ChatFormat) -> dict:
+    """The run header's inputs for rendered data: each of `files` ({"train": path, "validation": path
+    or None}) as `<prefix>_<name>` with its sha256, the tokenizer's, and an HF chat template's."""
+    inputs = {
+        f"{prefix}_{name}": {"path": str(path), "sha256": file_sha256(path)}
+        for name, path in files.items()
+        if path is not None
+    }
+    inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
+    if isinstance(fmt.template, HFTemplate):
+        source = fmt.template.source.encode()
+        inputs["chat_template"] = {"path": fmt.template.where, "sha256": hashlib.sha256(source).hexdigest()}
+    return inputs
+
+
 def load_chat_data(cfg: Config) -> dict:
     """{"loader", "validation" (PackedChats or None), "tokenizer", "inputs" (for the run header), "summary"}."""
     chat, seq_len = cfg.data.chat, cfg.data.seq_len
     tok_path = chat_tokenizer_path(chat.tokenizer, cfg.train.init_from)
-    fmt = chat_format_for(tok_path, chat.template)
-    vocab = fmt.tok.get_vocab_size(with_added_tokens=True)
-    if vocab > cfg.model.vocab_size:
-        raise DataError(
-            f"data.chat: the tokenizer {tok_path} has {vocab} tokens, more than model.vocab_size="
-            f"{cfg.model.vocab_size}; use the base model's tokenizer, or set model.vocab_size to at least "
-            f"{vocab} (with train.resize_vocab: true to resize a train.init_from model to it)"
-        )
-    pad = pad_id_of(tok_path, fmt.tok)
+    fmt, pad = checked_format(cfg, "data.chat", tok_path, chat.template)
 
     def packed(path: str, seed: int | None):
         conversations = read_conversations(path)
@@ -62,13 +83,7 @@ def load_chat_data(cfg: Config) -> dict:
 
     train = packed(chat.train, cfg.data_seed())
     validation = packed(chat.validation, None) if chat.validation is not None else None
-    inputs = {"chat_train": {"path": str(chat.train), "sha256": file_sha256(chat.train)}}
-    if chat.validation is not None:
-        inputs["chat_validation"] = {"path": str(chat.validation), "sha256": file_sha256(chat.validation)}
-    inputs["tokenizer"] = {"path": str(tok_path), "sha256": tokenizer_sha256(tok_path)}
-    if isinstance(fmt.template, HFTemplate):
-        source = fmt.template.source.encode()
-        inputs["chat_template"] = {"path": fmt.template.where, "sha256": hashlib.sha256(source).hexdigest()}
+    inputs = input_hashes("chat", {"train": chat.train, "validation": chat.validation}, tok_path, fmt)
     summary = (
         f"shipyard: chat data: {train.conversations} conversations ({fmt.template.name} template) in "
         f"{len(train)} rows of {seq_len + 1} tokens, {train.fill():.0%} filled, "
