@@ -318,7 +318,10 @@ class ChatBatchLoader:
     """Rows of the global SFT batch for any step: packed rows, shuffled per epoch by Grain (a pure
     function of seed and step, like the pretraining loader, so resume needs only the step)."""
 
-    def __init__(self, packed: PackedChats, batch_size: int, seed: int):
+    keys: tuple[str, ...] = BATCH_KEYS
+    """The batch arrays `packed.rows` gives."""
+
+    def __init__(self, packed, batch_size: int, seed: int):
         import grain
 
         self.packed, self.batch_size = packed, batch_size
@@ -327,8 +330,12 @@ class ChatBatchLoader:
     @property
     def row_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of one row of each batch array (what `loader.device_batch` builds)."""
-        return {k: getattr(self.packed, k).shape[1:] for k in BATCH_KEYS}
+        return {k: getattr(self.packed, k).shape[1:] for k in self.keys}
+
+    def row_indices(self, step: int, lo: int = 0, hi: int | None = None) -> list[int]:
+        """Which packed rows rows lo..hi of step's batch are."""
+        hi = self.batch_size if hi is None else hi
+        return [self.order[step * self.batch_size + r] for r in range(lo, hi)]
 
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
-        hi = self.batch_size if hi is None else hi
-        return self.packed.rows([self.order[step * self.batch_size + r] for r in range(lo, hi)])
+        return self.packed.rows(self.row_indices(step, lo, hi))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.chat_format import ChatFormat, check_messages, read_jsonl_records
+from shipyard.data.chat_format import ChatBatchLoader, ChatFormat, check_messages, read_jsonl_records
 from shipyard.errors import DataError
 
 PREFERENCE_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions", "slots", "pair_mask")
@@ -232,25 +232,8 @@ def pack_pairs(
     )
 
 
-class PairBatchLoader:
-    """Rows of the global preference batch for any step: packed rows, shuffled per epoch by Grain (a pure
-    function of seed and step, like ChatBatchLoader, so resume needs only the step)."""
+class PairBatchLoader(ChatBatchLoader):
+    """Rows of the global preference batch for any step, as ChatBatchLoader gives SFT rows (a pure
+    function of seed and step); `row_indices` also indexes the DPO reference cache."""
 
-    def __init__(self, packed: PackedPairs, batch_size: int, seed: int):
-        import grain
-
-        self.packed, self.batch_size = packed, batch_size
-        self.order = grain.MapDataset.source(list(range(len(packed)))).shuffle(seed=seed).repeat()
-
-    @property
-    def row_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of one row of each batch array (what `loader.device_batch` builds)."""
-        return {k: getattr(self.packed, k).shape[1:] for k in PREFERENCE_BATCH_KEYS}
-
-    def row_indices(self, step: int, lo: int = 0, hi: int | None = None) -> list[int]:
-        """Which packed rows rows lo..hi of step's batch are (the reference cache is indexed by them)."""
-        hi = self.batch_size if hi is None else hi
-        return [self.order[step * self.batch_size + r] for r in range(lo, hi)]
-
-    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
-        return self.packed.rows(self.row_indices(step, lo, hi))
+    keys = PREFERENCE_BATCH_KEYS
