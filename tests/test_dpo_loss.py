@@ -257,3 +257,18 @@ def test_reply_logps_equal_numpy_log_softmax_per_slot():
         jnp.asarray(logits, jnp.bfloat16), jnp.asarray(targets), jnp.asarray(slots), num_slots
     )
     assert half.dtype == jnp.float32
+
+
+def test_no_gradient_flows_into_the_reference_log_probs(world):
+    """The reference model is frozen: even where its log-probs are computed inside the differentiated
+    function (on-the-fly reference), the DPO loss has zero gradient with respect to them, and a
+    nonzero one with respect to the policy's."""
+    cfg = CONFIGS["dpo-label-smoothing"]
+    policy, reference, counts, mask = world["policy"], world["reference"], world["counts"], world["pair_mask"]
+
+    def loss(p, r):
+        return preference_sums(p, r, counts, mask, cfg).loss
+
+    d_policy, d_reference = jax.grad(loss, argnums=(0, 1))(policy, reference)
+    assert float(jnp.max(jnp.abs(d_reference))) == 0.0
+    assert float(jnp.max(jnp.abs(d_policy))) > 1e-3
