@@ -98,3 +98,18 @@ def test_cli_plan_exit_codes_and_one_line_errors(tmp_path, capsys):
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141 GB") == 141e9
     with pytest.raises(ConfigError, match="--device-memory"):
         parse_bytes("lots")
+
+
+def test_an_on_the_fly_dpo_reference_is_counted_and_a_cached_one_is_not():
+    pairs = ["data.preference={train: pairs.jsonl}", "data.seq_len=4096", "train.global_batch_size=8"]
+    sizes, device = parse_mesh("fsdp=8"), DEVICES["h100"]
+
+    def bytes_of(reference: str) -> dict:
+        cfg = load_config("llama3-8b", [*pairs, f"train.preference={{loss: dpo, reference: {reference}}}"])
+        return plan(cfg, sizes, device, with_compiled=False)["bytes"]
+
+    cached, on_the_fly = bytes_of("cached"), bytes_of("on_the_fly")
+    assert cached["reference"] == 0.0
+    # the starting params in bf16 on each of 8 fsdp shards: half the fp32 params' bytes
+    assert on_the_fly["reference"] == pytest.approx(on_the_fly["params"] / 2, rel=1e-6)
+    assert on_the_fly["total"] == pytest.approx(cached["total"] + on_the_fly["reference"], rel=1e-9)

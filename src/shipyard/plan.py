@@ -147,6 +147,11 @@ def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     )
     out = {"params": 4.0 * trained + frozen_bytes, "grads": 4.0 * trained, "optimizer": opt}
     out["params_count_local"] = trained + frozen
+    # DPO with reference: on_the_fly keeps the starting trainable tree in the compute dtype for the
+    # reference forward (train/reference.py: reference_copy); a cached reference keeps none.
+    pref = cfg.train.preference
+    on_the_fly = pref is not None and pref.loss == "dpo" and pref.reference == "on_the_fly"
+    out["reference"] = trained * np.dtype(cfg.train.precision.compute_dtype).itemsize if on_the_fly else 0.0
     if partition.quantize_base is not None:
         out["quantized_base"] = _quantized_base(frozen_specs, partition.quantize_base, local)
         out["params_count_local"] += out["quantized_base"]["params"] - out["quantized_base"]["stored"]
@@ -230,7 +235,15 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
     # A QLoRA base is not copied: each matmul dequantizes its weight to the compute dtype.
     castable = state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0)
     copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else castable / 2
-    total = state["params"] + state["grads"] + state["optimizer"] + copy + act["activations"] + act["logits"]
+    total = (
+        state["params"]
+        + state["grads"]
+        + state["optimizer"]
+        + copy
+        + state["reference"]
+        + act["activations"]
+        + act["logits"]
+    )
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
     step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu)
@@ -253,6 +266,7 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
             "grads": state["grads"],
             "optimizer": state["optimizer"],
             "compute_copy": copy,
+            "reference": state["reference"],
             "activations": act["activations"],
             "logits": act["logits"],
             "total": total,
@@ -285,7 +299,7 @@ def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
     if peak <= budget:
         return True, []
     b, sizes, advice = plan["bytes"], plan["mesh"], []
-    state = b["params"] + b["grads"] + b["optimizer"] + b["compute_copy"]
+    state = b["params"] + b["grads"] + b["optimizer"] + b["compute_copy"] + b.get("reference", 0.0)
     if state > 0.6 * memory:
         need = 2 ** math.ceil(math.log2(sizes["fsdp"] * state / (0.6 * memory)))
         advice.append(
@@ -464,6 +478,13 @@ def render(p: dict) -> str:
         f"  grads         {_fmt(b['grads'])}",
         f"  optimizer     {_fmt(b['optimizer'])}",
         f"  compute copy  {_fmt(b['compute_copy'])}",
+        *(
+            [
+                f"  reference     {_fmt(b['reference'])}  (DPO on_the_fly: the starting trainable params, compute dtype)"
+            ]
+            if b.get("reference")
+            else []
+        ),
         f"  activations   {_fmt(b['activations'])}  ({p['microbatch_tokens_per_device']:,.0f} tokens per microbatch per device)",
         f"  logits        {_fmt(b['logits'])}",
         f"  total         {_fmt(b['total'])}",
