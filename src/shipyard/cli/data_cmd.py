@@ -95,6 +95,41 @@ def _cmd_data_tokenize(args) -> int:
     )
 
 
+def _cmd_data_classifier_train(args) -> int:
+    from shipyard.data.classifier import run_classifier_train
+    from shipyard.data.configs import ClassifierTrainConfig
+
+    cfg, read, _ = _stage_common(args, ClassifierTrainConfig)
+    report = run_classifier_train(args.positive, args.negative, args.out, cfg, read, args.overwrite)
+    held, counts = report["held_out"], report["counts"]
+    trained = ", ".join(f"{k} {v['train']:,} train / {v['held_out']:,} held out" for k, v in counts.items())
+    if held["accuracy"] is None:
+        print(f"classifier-train: {trained}; no held-out documents (held_out_fraction=0)")
+    else:
+        print(
+            f"classifier-train: {trained}; held-out accuracy {held['accuracy']:.4f}, "
+            f"precision {held['precision'] or 0:.4f}, recall {held['recall'] or 0:.4f}"
+        )
+    print(f"wrote {args.out} (model.bin, report.json)")
+    return 0
+
+
+def _cmd_data_classify(args) -> int:
+    from shipyard.data.classifier import run_classify
+    from shipyard.data.configs import ClassifyConfig, build_schema
+
+    cfg, read, workers = _stage_common(args, ClassifyConfig)
+    flags = {
+        k: v for k, v in (("threshold", args.threshold), ("top_fraction", args.top_fraction)) if v is not None
+    }
+    if flags:  # the flags override the config's rule (a config threshold and a --top-fraction flag: the flag)
+        fields = {**cfg.model_dump(), "threshold": None, "top_fraction": None, **flags}
+        cfg = build_schema(ClassifyConfig, fields, "data classify")
+    return _report_stage(
+        args, run_classify(args.inputs, args.out, args.model, cfg, read, workers, args.overwrite)
+    )
+
+
 def _cmd_data_prepare(args) -> int:
     from shipyard.data.configs import load_prepare_config
     from shipyard.data.prepare import run_prepare
@@ -118,6 +153,55 @@ def _cmd_data_verify(args) -> int:
         f"{manifest['documents']:,} documents match {args.shards / 'manifest.json'}"
     )
     return 0
+
+
+INPUTS_HELP = "document files or directories (jsonl[.gz|.zst], parquet, txt, html)"
+
+
+def _stage_arguments(st) -> None:
+    """The flags every data stage takes: --out, --config, --set, reading, --overwrite."""
+    st.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")
+    st.add_argument("--config", type=Path, default=None, help="YAML file with this stage's settings")
+    st.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting (repeatable)",
+    )
+    st.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    st.add_argument(
+        "--max-bad-fraction",
+        type=fraction(),
+        default=0.01,
+        help="fail when more records than this are bad",
+    )
+    st.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+
+def _register_classifier(data_sub) -> None:
+    """`data classifier-train` and `data classify` (the fastText quality classifier)."""
+    ct = data_sub.add_parser(
+        "classifier-train", help="train a fastText quality classifier on positive vs. negative documents"
+    )
+    ct.add_argument("--positive", nargs="+", required=True, help="good documents: " + INPUTS_HELP)
+    ct.add_argument("--negative", nargs="+", required=True, help="bad documents: " + INPUTS_HELP)
+    _stage_arguments(ct)
+    ct.set_defaults(func=_cmd_data_classifier_train)
+
+    cl = data_sub.add_parser("classify", help="score documents with a quality classifier and keep the best")
+    cl.add_argument("inputs", nargs="+", help=INPUTS_HELP)
+    cl.add_argument("--model", type=Path, required=True, help="a `data classifier-train` output directory")
+    # Plain floats, checked by ClassifyConfig: the same one-line errors as --set threshold=...
+    cl.add_argument("--threshold", type=float, default=None, help="keep scores >= T (default 0.5)")
+    cl.add_argument(
+        "--top-fraction", type=float, default=None, help="keep this fraction, highest scores first"
+    )
+    cl.add_argument(
+        "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
+    )
+    _stage_arguments(cl)
+    cl.set_defaults(func=_cmd_data_classify)
 
 
 def register(sub) -> None:
@@ -146,26 +230,8 @@ def register(sub) -> None:
     }
     for name, help_text in stages.items():
         st = data_sub.add_parser(name, help=help_text)
-        st.add_argument(
-            "inputs", nargs="+", help="document files or directories (jsonl[.gz|.zst], parquet, txt, html)"
-        )
-        st.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")
-        st.add_argument("--config", type=Path, default=None, help="YAML file with this stage's settings")
-        st.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one setting (repeatable)",
-        )
-        st.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
-        st.add_argument(
-            "--max-bad-fraction",
-            type=fraction(),
-            default=0.01,
-            help="fail when more records than this are bad",
-        )
-        st.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        st.add_argument("inputs", nargs="+", help=INPUTS_HELP)
+        _stage_arguments(st)
         if name != "tokenizer-train":
             st.add_argument(
                 "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
@@ -182,6 +248,8 @@ def register(sub) -> None:
             name, _cmd_data_stage
         )
         st.set_defaults(func=func)
+
+    _register_classifier(data_sub)
 
     pr = data_sub.add_parser("prepare", help="run the whole data chain from one YAML config")
     pr.add_argument("config", type=Path, help="prepare config (see docs/data.md)")

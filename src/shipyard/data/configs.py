@@ -1,4 +1,4 @@
-"""Typed configs of the data stages (extract, filter, dedup, decontaminate, tokenizer, tokenize, prepare).
+"""Typed configs of the data stages (extract, filter, dedup, decontaminate, classifier, tokenizer, tokenize, prepare).
 
 Each stage reads its section from a YAML file (`--config`) and `--set key=value`
 overrides on the command line; `data prepare` reads them all from one file.
@@ -141,6 +141,52 @@ class DecontaminateConfig(Schema):
     """drop removes contaminated documents; report only counts them."""
     max_examples: int = Field(20, ge=0)
     """Contaminated documents recorded in stats.json as examples (with the matching n-gram)."""
+
+
+class ClassifierTrainConfig(Schema):
+    """A fastText quality classifier (DCLM / Marin style): positive vs. negative documents."""
+
+    lr: float = Field(0.1, gt=0)
+    """Learning rate (fastText `lr`)."""
+    epoch: int = Field(50, gt=0)
+    """Passes over the training documents."""
+    word_ngrams: int = Field(2, ge=1)
+    """Longest word n-gram used as a feature (fastText `wordNgrams`); 2 sees word order, 1 does not."""
+    dim: int = Field(32, gt=0)
+    """Embedding size."""
+    min_count: int = Field(1, ge=1)
+    """Words seen fewer times than this in the training documents are ignored."""
+    bucket: int = Field(200_000, gt=0)
+    """Hash buckets for word n-grams; the model file holds (words + bucket) x dim floats."""
+    max_tokens: int | None = Field(2_000, gt=0)
+    """Use only a document's first this many tokens (training and scoring alike); null uses all."""
+    seed: int = 0
+    """Seed of the held-out split, the order of training lines and fastText's own sampling."""
+    held_out_fraction: float = Field(0.1, ge=0, lt=1)
+    """Fraction of each class kept out of training and scored for report.json."""
+    threads: int = Field(1, ge=1)
+    """Training threads; only 1 is deterministic (fastText's threads race on the shared weights)."""
+
+
+class ClassifyConfig(Schema):
+    """Score documents with a trained quality classifier and keep the best."""
+
+    threshold: float | None = Field(None, ge=0, le=1)
+    """Keep documents whose score is at least this; with neither this nor top_fraction, 0.5."""
+    top_fraction: float | None = Field(None, gt=0, le=1)
+    """Keep this fraction of all documents, the highest scores (ties broken by input order)."""
+    score_field: str = "quality_score"
+    """Record field that receives the score (the probability of the positive class)."""
+    histogram_bins: int = Field(20, gt=0, le=1000)
+    """Equal-width score bins over [0, 1] in stats.json and the PNG."""
+    example_levels: int = Field(5, gt=0, le=100)
+    """Score levels (equal-width bands over [0, 1]) that get an example document in stats.json."""
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> ClassifyConfig:
+        if self.threshold is not None and self.top_fraction is not None:
+            raise ValueError("threshold: give threshold or top_fraction, not both")
+        return self
 
 
 class TokenizerTrainConfig(Schema):
