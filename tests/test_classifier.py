@@ -181,3 +181,48 @@ def test_cli_trains_classifies_and_refuses_bad_input_in_one_line(task, tmp_path,
     err = capsys.readouterr().err
     assert "none.jsonl" in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_pipeline_steps_train_and_classify_and_check_their_config_first(task, tmp_path):
+    import yaml
+
+    from shipyard.errors import ConfigError
+    from shipyard.pipeline.executor import run_pipeline
+
+    _, pos, neg, _ = task
+    spec = {
+        "root": "out",
+        "steps": [
+            {
+                "name": "quality",
+                "kind": "classifier-train",
+                "inputs": {"positive": str(pos), "negative": str(neg)},
+                "config": {"epoch": 5},
+            },
+            {
+                "name": "best",
+                "kind": "classify",
+                "inputs": {"documents": str(pos), "model": "@quality"},
+                "config": {"top_fraction": 0.5},
+            },
+        ],
+    }
+    path = tmp_path / "pipeline.yaml"
+    spec["steps"][1]["config"]["threshold"] = 0.5  # both rules: refused before anything runs
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=r"pipeline step best \(classify\): threshold: give threshold or"):
+        run_pipeline(path, log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+    del spec["steps"][1]["config"]["threshold"]
+    path.write_text(yaml.safe_dump(spec))
+    run_pipeline(path, log=lambda m: None)
+    (best,) = [
+        p for p in (tmp_path / "out").rglob("stats.json") if json.loads(p.read_text())["stage"] == "classify"
+    ]
+    stats = json.loads(best.read_text())
+    assert stats["documents_out"] == round(stats["documents_in"] / 2)
+    assert (best.parent / "score_histogram.png").is_file()
+    from shipyard.pipeline.steps import digest
+
+    model_dir = tmp_path / "out" / json.loads(best.read_text())["model"].split("/out/")[-1]
+    assert set(digest("classifier-train", model_dir)) == {"model.bin", "report"}

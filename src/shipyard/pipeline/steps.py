@@ -85,6 +85,32 @@ def _tokenize(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     return run_tokenize([str(docs)], out, str(tok), cfg, read, default_workers(), False)
 
 
+def _stage_configs(kind: str, schema_name: str, config: dict):
+    """(stage config, read config) of a step: `read:` is the reading section, the rest the stage's."""
+    from shipyard.data import configs
+
+    read = configs.build_schema(configs.ReadConfig, config.get("read", {}), f"{kind}.read")
+    fields = {k: v for k, v in config.items() if k != "read"}
+    return configs.build_schema(getattr(configs, schema_name), fields, kind), read
+
+
+def _classifier_train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.data.classifier import run_classifier_train
+
+    pos, neg = _need("classifier-train", inputs, "positive", "negative")
+    cfg, read = _stage_configs("classifier-train", "ClassifierTrainConfig", config)
+    return run_classifier_train([str(pos)], [str(neg)], out, cfg, read, False)
+
+
+def _classify(out: Path, inputs: dict[str, Path], config: dict) -> dict:
+    from shipyard.data.classifier import run_classify
+    from shipyard.data.stage import default_workers
+
+    docs, model = _need("classify", inputs, "documents", "model")
+    cfg, read = _stage_configs("classify", "ClassifyConfig", config)
+    return run_classify([str(docs)], out, model, cfg, read, default_workers(), False)
+
+
 def _train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.config import load_config
     from shipyard.train.trainer import train
@@ -205,6 +231,8 @@ _SCHEMAS = {
     "decontaminate": "DecontaminateConfig",
     "tokenizer-train": "TokenizerTrainConfig",
     "tokenize": "TokenizeConfig",
+    "classifier-train": "ClassifierTrainConfig",
+    "classify": "ClassifyConfig",
 }
 
 
@@ -238,6 +266,8 @@ STEPS: dict[str, StepFn] = {
     "decontaminate": _stage("decontaminate", "DecontaminateConfig", "decontaminate"),
     "tokenizer-train": _tokenizer_train,
     "tokenize": _tokenize,
+    "classifier-train": _classifier_train,
+    "classify": _classify,
     "train": _train,
     "eval": _eval,
     "export-hf": _export_hf,
@@ -281,6 +311,14 @@ def digest(kind: str, out: Path) -> dict[str, str]:
         return {"eval.json": hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()}
     if kind == "report":
         return {}  # a rendering of the run's metrics, which carry timings
+    if kind == "classifier-train":
+        # report.json names its input paths (upstream steps' directories move with the root)
+        report = json.loads((out / "report.json").read_text())
+        content = {k: report[k] for k in ("config", "counts", "held_out")}
+        return {
+            "model.bin": _file_digest([out / "model.bin"], out),
+            "report": hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest(),
+        }
     files = [p for p in out.rglob("*") if p.is_file() and p.name not in _VOLATILE]
     if kind == "tokenize":
         # The manifest records input paths and timings; its shard table is the content.
