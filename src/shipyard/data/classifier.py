@@ -226,11 +226,16 @@ def _init(model_dir: str, cfg: ClassifyConfig) -> None:
     _STATE = (model, train_cfg, cfg)
 
 
-def _unit_scores(unit, text_field: str, read: ReadStats):
-    """(batch of documents, their scores) over one unit."""
+def _unit_scores(unit, text_field: str, read: ReadStats, known: np.ndarray | None = None):
+    """(batch of documents, their scores) over one unit; `known`: this unit's scores from a first pass."""
     model, train_cfg, _ = _STATE
+    done = 0
     for batch in batches(read_unit(unit, read, text_field)):
-        yield batch, score_texts(model, [d.text for d in batch], train_cfg.max_tokens)
+        if known is not None:
+            yield batch, known[done : done + len(batch)]
+        else:
+            yield batch, score_texts(model, [d.text for d in batch], train_cfg.max_tokens)
+        done += len(batch)
 
 
 def _score_only(item: tuple) -> np.ndarray:
@@ -274,7 +279,7 @@ class _PartWriter:
 
 def _classify_unit(item: tuple) -> dict:
     """Worker: score one unit, keep by the cutoff (and this unit's share of tied scores), write part `index`."""
-    index, unit, out_dir, text_field, cutoff, ties = item
+    index, unit, out_dir, text_field, cutoff, ties, known = item
     _, _, cfg = _STATE
     read = ReadStats()
     r = {"documents_in": 0, "bytes_out": 0, "documents_out": 0, "dropped": Counter()}
@@ -282,7 +287,7 @@ def _classify_unit(item: tuple) -> dict:
     examples: dict[int, dict] = {}
     writer = _PartWriter(Path(out_dir) / part_name(index))
     try:
-        for batch, scores in _unit_scores(unit, text_field, read):
+        for batch, scores in _unit_scores(unit, text_field, read, known):
             r["documents_in"] += len(batch)
             hist += np.histogram(scores, bins=cfg.histogram_bins, range=(0.0, 1.0))[0]
             for doc, score in zip(batch, scores.tolist()):
@@ -334,6 +339,7 @@ def run_classify(
     inputs = [str(p) for p in inputs]
     load_classifier(Path(model_dir))  # a bad model directory fails here, before any work
     units = plan(inputs)
+    stats = StageStats("classify", inputs, config_record(read, classify=cfg), workers)  # times both passes
     init = (str(model_dir), cfg)
     if cfg.top_fraction is not None:
         items = ((u, read.text_field) for u in units)
@@ -341,12 +347,14 @@ def run_classify(
         cutoff, ties = top_fraction_cutoffs(scores, cfg.top_fraction)
     else:
         cutoff = cfg.threshold if cfg.threshold is not None else 0.5
-        ties = [-1] * len(units)
-    stats = StageStats("classify", inputs, config_record(read, classify=cfg), workers)
+        ties, scores = [-1] * len(units), None
     hist = np.zeros(cfg.histogram_bins, np.int64)
     levels: dict[int, dict] = {}
     with stage_output(Path(out), overwrite, "classify") as tmp:
-        items = ((i, u, str(tmp), read.text_field, cutoff, t) for i, (u, t) in enumerate(zip(units, ties)))
+        items = (
+            (i, u, str(tmp), read.text_field, cutoff, ties[i], scores[i] if scores is not None else None)
+            for i, u in enumerate(units)
+        )
         parts = []
         for r in run_units("classify", units, _classify_unit, items, workers, _init, init):
             stats.add(r)
