@@ -216,19 +216,32 @@ def score_texts(model, texts: list[str], max_tokens: int | None) -> np.ndarray:
     return out
 
 
-# Set once per worker process by the pool initializer: (model, its config, ClassifyConfig).
-_STATE: tuple | None = None
+# Set once per worker process by the pool initializer: (model, its config, ClassifyConfig), or the
+# error that loading the model raised.
+_STATE: tuple | Exception | None = None
 
 
 def _init(model_dir: str, cfg: ClassifyConfig) -> None:
     global _STATE
-    model, train_cfg = load_classifier(Path(model_dir))
+    try:
+        model, train_cfg = load_classifier(Path(model_dir))
+    except DataError as e:
+        # Kept for the first unit to raise: an error raised by a pool initializer
+        # kills the worker, the pool starts another, and the stage would hang.
+        _STATE = e
+        return
     _STATE = (model, train_cfg, cfg)
+
+
+def _state() -> tuple:
+    if isinstance(_STATE, Exception):
+        raise _STATE
+    return _STATE
 
 
 def _unit_scores(unit, text_field: str, read: ReadStats, known: np.ndarray | None = None):
     """(batch of documents, their scores) over one unit; `known`: this unit's scores from a first pass."""
-    model, train_cfg, _ = _STATE
+    model, train_cfg, _ = _state()
     done = 0
     for batch in batches(read_unit(unit, read, text_field)):
         if known is not None:
@@ -280,7 +293,7 @@ class _PartWriter:
 def _classify_unit(item: tuple) -> dict:
     """Worker: score one unit, keep by the cutoff (and this unit's share of tied scores), write part `index`."""
     index, unit, out_dir, text_field, cutoff, ties, known = item
-    _, _, cfg = _STATE
+    _, _, cfg = _state()
     read = ReadStats()
     r = {"documents_in": 0, "bytes_out": 0, "documents_out": 0, "dropped": Counter()}
     hist = np.zeros(cfg.histogram_bins, np.int64)
