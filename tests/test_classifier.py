@@ -94,6 +94,10 @@ def test_classify_same_bytes_for_1_and_2_workers_and_top_fraction_keeps_the_best
     assert len(parts) >= 2  # several work units, so 2 workers really split the input
     for name in [*parts, "score_histogram.png"]:
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+    volatile = {"seconds", "mb_per_s", "workers"}  # when and with how many, not what
+    assert {k: v for k, v in outs[1].items() if k not in volatile} == {
+        k: v for k, v in outs[2].items() if k not in volatile
+    }
     st = outs[1]
     n = st["documents_in"]
     kept = _records(tmp_path / "w1")
@@ -226,3 +230,12 @@ def test_pipeline_steps_train_and_classify_and_check_their_config_first(task, tm
 
     model_dir = tmp_path / "out" / json.loads(best.read_text())["model"].split("/out/")[-1]
     assert set(digest("classifier-train", model_dir)) == {"model.bin", "report"}
+
+
+def test_fasttext_line_is_one_lowercased_line_of_tokens():
+    from shipyard.data.classifier import fasttext_line
+
+    text = "Return the Value.\nIt's\tdone, (mostly)!"
+    assert fasttext_line(text, None) == "return the value . it ' s done , ( mostly ) !"
+    assert fasttext_line(text, None) == fasttext_line(text, 1000)
+    assert fasttext_line(text, 4) == "return the value ."
