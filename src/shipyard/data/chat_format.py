@@ -267,44 +267,62 @@ def pack(
             f"data.chat: none of the {len(rendered)} conversations fits in data.seq_len + 1 = {width} tokens "
             "with an assistant reply to train on; raise data.seq_len"
         )
-    order = keep if seed is None else [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
+    sizes = {i: len(rendered[i][0]) for i in keep}
+    rows = place(sizes, seeded_order(keep, seed), width, pack)
+    arrays = fill_rows([[rendered[i] for i in members] for members in rows], width, pad_id)
+    return PackedChats(**arrays, conversations=len(keep), dropped=dropped)
+
+
+def seeded_order(keep: list[int], seed: int | None) -> list[int]:
+    """`keep` in a seeded permutation (None: as it is)."""
+    return keep if seed is None else [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
+
+
+def place(sizes: dict[int, int], order: list[int], width: int, pack: bool) -> list[list[int]]:
+    """Bounded first-fit: each item (of `sizes[i]` tokens, in `order`) into the first of the newest
+    few rows of `width` with room, else a new row; one item per row when `pack` is false."""
     rows: list[list[int]] = []
     used: list[int] = []
     open_rows: list[int] = []  # the newest rows with room: bounded first-fit, linear in the data
     for i in order:
-        size = len(rendered[i][0])
-        home = next((r for r in open_rows if used[r] + size <= width), None) if pack else None
+        home = next((r for r in open_rows if used[r] + sizes[i] <= width), None) if pack else None
         if home is None:
             rows.append([])
             used.append(0)
             home = len(rows) - 1
             open_rows = (open_rows + [home])[-_OPEN_ROWS:]
         rows[home].append(i)
-        used[home] += size
+        used[home] += sizes[i]
+    return rows
+
+
+def fill_rows(
+    rows: list[list[tuple[list[int], list[int]]]], width: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """The arrays of packed rows, each a list of sequences (token ids, 1 where trained): tokens [N, width];
+    per input position loss_mask, segment_ids (a sequence's index in its row; -1 padding) and positions
+    (from 0 per sequence). Padding is pad_id with no loss."""
     n = len(rows)
     tokens = np.full((n, width), pad_id, np.int32)
     trained = np.zeros((n, width), np.int32)
     seg = np.full((n, width), -1, np.int32)
     pos = np.zeros((n, width), np.int32)
-    for r, members in enumerate(rows):
+    for r, sequences in enumerate(rows):
         at = 0
-        for s, i in enumerate(members):
-            ids, mask = rendered[i]
+        for s, (ids, mask) in enumerate(sequences):
             tokens[r, at : at + len(ids)] = ids
             trained[r, at : at + len(ids)] = mask
             seg[r, at : at + len(ids)] = s
             pos[r, at : at + len(ids)] = np.arange(len(ids))
             at += len(ids)
-    # target t+1 is trained when it is an assistant token of the same conversation as input t
+    # target t+1 is trained when it is a trained token of the same sequence as input t
     loss_mask = (trained[:, 1:] == 1) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] >= 0)
-    return PackedChats(
-        tokens=tokens,
-        loss_mask=loss_mask.astype(np.float32),
-        segment_ids=seg[:, :-1],
-        positions=pos[:, :-1],
-        conversations=len(keep),
-        dropped=dropped,
-    )
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask.astype(np.float32),
+        "segment_ids": seg[:, :-1],
+        "positions": pos[:, :-1],
+    }
 
 
 def pad_id_of(tok_path: Path, tok) -> int:

@@ -32,7 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.chat_format import ChatBatchLoader, ChatFormat, check_messages, read_jsonl_records
+from shipyard.data.chat_format import (
+    ChatBatchLoader,
+    ChatFormat,
+    check_messages,
+    fill_rows,
+    place,
+    read_jsonl_records,
+    seeded_order,
+)
 from shipyard.errors import DataError
 
 PREFERENCE_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions", "slots", "pair_mask")
@@ -151,27 +159,6 @@ class PackedPairs:
         return {k: getattr(self, k)[idx] for k in PREFERENCE_BATCH_KEYS}
 
 
-_OPEN_ROWS = 16
-
-
-def _place(sizes: dict[int, int], order: list[int], width: int, pack: bool) -> list[list[int]]:
-    """Bounded first-fit (as chat_format.pack): each pair into the first of the newest few rows with
-    room, else a new row; one pair per row when `pack` is false."""
-    rows: list[list[int]] = []
-    used: list[int] = []
-    open_rows: list[int] = []
-    for i in order:
-        home = next((r for r in open_rows if used[r] + sizes[i] <= width), None) if pack else None
-        if home is None:
-            rows.append([])
-            used.append(0)
-            home = len(rows) - 1
-            open_rows = (open_rows + [home])[-_OPEN_ROWS:]
-        rows[home].append(i)
-        used[home] += sizes[i]
-    return rows
-
-
 def pack_pairs(
     rendered: list[RenderedPair | str], seq_len: int, pad_id: int, seed: int | None, pack: bool = True
 ) -> PackedPairs:
@@ -200,36 +187,18 @@ def pack_pairs(
             f"non-empty, different replies whose two sequences fit data.seq_len + 1 = {width} tokens together"
         )
     keep = list(sizes)
-    order = keep if seed is None else [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
-    rows = _place(sizes, order, width, pack)
-    n = len(rows)
-    tokens = np.full((n, width), pad_id, np.int32)
-    trained = np.zeros((n, width), np.int32)
-    seg = np.full((n, width), -1, np.int32)
-    pos = np.zeros((n, width), np.int32)
-    pair_mask = np.zeros((n, slots_per_row), np.float32)
-    for r, members in enumerate(rows):
-        at = 0
-        pair_mask[r, : len(members)] = 1.0  # <= width // 4 pairs: each sequence has >= 2 tokens
-        for k, i in enumerate(members):
-            for s, (ids, mask) in enumerate((rendered[i].chosen, rendered[i].rejected)):
-                tokens[r, at : at + len(ids)] = ids
-                trained[r, at : at + len(ids)] = mask
-                seg[r, at : at + len(ids)] = 2 * k + s
-                pos[r, at : at + len(ids)] = np.arange(len(ids))
-                at += len(ids)
-    # target t+1 is trained when it is a reply token of the same sequence as input t
-    loss_mask = (trained[:, 1:] == 1) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] >= 0)
-    return PackedPairs(
-        tokens=tokens,
-        loss_mask=loss_mask.astype(np.float32),
-        segment_ids=seg[:, :-1],
-        positions=pos[:, :-1],
-        slots=np.where(loss_mask, seg[:, :-1], -1).astype(np.int32),
-        pair_mask=pair_mask,
-        pairs=len(keep),
-        bad=bad,
+    rows = place(sizes, seeded_order(keep, seed), width, pack)
+    # the k-th pair of a row is its sequences 2k (chosen) and 2k + 1 (rejected)
+    arrays = fill_rows(
+        [[seq for i in members for seq in (rendered[i].chosen, rendered[i].rejected)] for members in rows],
+        width,
+        pad_id,
     )
+    pair_mask = np.zeros((len(rows), slots_per_row), np.float32)
+    for r, members in enumerate(rows):
+        pair_mask[r, : len(members)] = 1.0  # <= width // 4 pairs: each sequence has >= 2 tokens
+    slots = np.where(arrays["loss_mask"] > 0, arrays["segment_ids"], -1).astype(np.int32)
+    return PackedPairs(**arrays, slots=slots, pair_mask=pair_mask, pairs=len(keep), bad=bad)
 
 
 class PairBatchLoader(ChatBatchLoader):
