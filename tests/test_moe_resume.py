@@ -82,7 +82,15 @@ def test_expert_parallel_run_killed_at_random_moments_resumes_bitwise(tmp_path, 
             wait_until(proc, saving)
         else:
             target = rng.randint(max(start, WARMUP) + 2, max(start, WARMUP) + 8)
-            wait_until(proc, lambda t=target: max(logged_losses(run), default=-1) >= t)
+
+            # Saves are asynchronous: on a loaded machine the run can log steps past a
+            # checkpoint before that checkpoint is complete. Wait for both, so every kill
+            # leaves a newer complete checkpoint than the one this run resumed from.
+            def past(t=target, start=start):
+                done = _complete_checkpoints(run) if (run / "checkpoints").is_dir() else []
+                return max(logged_losses(run), default=-1) >= t and max(done, default=-1) > start
+
+            wait_until(proc, past)
             time.sleep(rng.uniform(0.0, 0.3))
         _kill(proc)
         logged = max(logged_losses(run), default=-1)
