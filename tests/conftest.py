@@ -20,6 +20,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# s3_server / s3_env / bucket: a real S3-protocol server (moto) on 127.0.0.1, started on first use
+pytest_plugins = ("s3_fixtures",)
+
 
 @pytest.fixture(scope="session")
 def byte_tokens(tmp_path_factory):

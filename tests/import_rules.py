@@ -12,7 +12,17 @@ from pathlib import Path
 
 # Bottom first. A module is placed by its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("shipyard", "shipyard.errors", "shipyard.config", "shipyard.output", "shipyard.cpu_tuning")),
+    (
+        "base",
+        (
+            "shipyard",
+            "shipyard.errors",
+            "shipyard.config",
+            "shipyard.output",
+            "shipyard.cpu_tuning",
+            "shipyard.storage",
+        ),
+    ),
     ("parallel", ("shipyard.parallel",)),
     ("model", ("shipyard.model",)),
     ("data", ("shipyard.data",)),
