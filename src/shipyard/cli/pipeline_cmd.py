@@ -16,18 +16,20 @@ def _cmd_quickstart(args) -> int:
     import json
     from importlib import resources
 
-    from shipyard.pipeline.executor import run_pipeline
+    from shipyard.pipeline.executor import fetch_output, run_pipeline
+    from shipyard.storage import redact
 
     pipeline = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml")
     planned = {p.step.name: p for p in run_pipeline(str(pipeline), dry_run=args.dry_run, root=args.root)}
     if args.dry_run:
         return 0
-    ev = json.loads((planned["eval"].out / "eval.json").read_text())
+    # with a bucket root these two come from the bucket when this machine has no copy
+    ev = json.loads((fetch_output(planned["eval"]) / "eval.json").read_text())
     held, base = ev["domains"]["heldout"], ev.get("unigram_baseline", {})
-    sample = json.loads((planned["sample"].out / "sample.json").read_text())
-    print("\nquickstart: every step's output, provenance.json and _SUCCESS are under", args.root)
+    sample = json.loads((fetch_output(planned["sample"]) / "sample.json").read_text())
+    print("\nquickstart: every step's output, provenance.json and _SUCCESS are under", redact(args.root))
     for name in ("tokens-train", "train", "eval", "export", "report"):
-        print(f"  {name:<13} {planned[name].out}")
+        print(f"  {name:<13} {planned[name].location}")
     print(
         f"held-out: {held['bits_per_byte']:.3f} bits/byte (loss {held['loss']:.3f} nats/token); "
         f"unigram baseline {base.get('bits_per_byte', float('nan')):.3f} bits/byte "
@@ -62,7 +64,10 @@ def register(sub) -> None:
     ru.add_argument(
         "--force", action="append", default=[], metavar="STEP", help="rerun this step (repeatable)"
     )
-    ru.add_argument("--root", type=Path, help="output root instead of the file's `root`")
+    ru.add_argument(
+        "--root",
+        help="output root instead of the file's `root`: a directory or a bucket (s3://bucket/prefix)",
+    )
     ru.add_argument(
         "--ray",
         metavar="ADDRESS",
@@ -75,7 +80,9 @@ def register(sub) -> None:
         help="the whole pipeline on the embedded stdlib corpus: data, tokenizer, train, eval, export",
     )
     qs.add_argument(
-        "--root", type=Path, default=Path("runs/quickstart"), help="output root (default runs/quickstart)"
+        "--root",
+        default="runs/quickstart",
+        help="output root, a directory or a bucket (s3://bucket/prefix) (default runs/quickstart)",
     )
     qs.add_argument("--dry-run", action="store_true", help="print what would run and why")
     qs.set_defaults(func=_cmd_quickstart)
@@ -83,8 +90,10 @@ def register(sub) -> None:
     rp = sub.add_parser(
         "reproduce", help="rerun the recorded steps behind a pipeline output and compare hashes"
     )
-    rp.add_argument("output_dir", type=Path, help="a finished step's directory (holds provenance.json)")
-    rp.add_argument("--root", type=Path, required=True, help="a fresh directory to rerun into")
+    rp.add_argument("output_dir", help="a finished step's directory or bucket prefix (holds provenance.json)")
+    rp.add_argument(
+        "--root", required=True, help="a fresh directory or bucket prefix (s3://...) to rerun into"
+    )
     rp.set_defaults(func=_cmd_reproduce)
 
     rep = sub.add_parser("report", help="plot a run's metrics and write report.md")

@@ -17,6 +17,10 @@ version changed, forced, or incomplete (killed). `--force STEP` reruns one.
 `shipyard reproduce OUTPUT_DIR` reads the provenance chain behind an output,
 reruns every step into a fresh root, and compares each step's artifact
 digests (steps.digest) with the recorded ones.
+
+The root may be a bucket (`s3://bucket/prefix`, `gs://`, `memory://`): steps
+then run into local staging directories and are published there, the marker
+last; done means the marker exists in the bucket (see pipeline/remote.py).
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from shipyard import storage
 from shipyard.config import Schema, format_validation_error, read_yaml
 from shipyard.errors import ConfigError, DataError
 from shipyard.output import write_atomic
-from shipyard.pipeline.steps import STEPS, digest, validate
+from shipyard.pipeline import remote
+from shipyard.pipeline.steps import PATH_INPUTS, STEPS, digest, validate
 from shipyard.train.rundir import git_commit, package_versions
 
 MARKER = "_SUCCESS"
@@ -60,7 +66,7 @@ class PipelineConfig(Schema):
     """A pipeline file."""
 
     root: str
-    """Directory holding every step's output (relative to the pipeline file)."""
+    """Directory holding every step's output (relative to the pipeline file), or a bucket URL (s3://bucket/prefix)."""
     steps: list[StepConfig]
     """Steps in any order; inputs define the graph."""
 
@@ -76,10 +82,21 @@ class Planned:
     input_hashes: dict[str, str]
     status: str  # done | run
     reason: str
+    url: str | None = None
+    """Where the step is published when the root is a bucket (`out` is then its local staging directory)."""
+    recorded_inputs: dict[str, str] | None = None
+    """The inputs as provenance records them: upstream outputs where they are published (URLs redacted)."""
+
+    @property
+    def location(self) -> str:
+        """Where the step's output lives, for messages: its (redacted) URL, else its directory."""
+        return storage.redact(self.url) if self.url else str(self.out)
 
 
-def load_pipeline(path: str | Path, root: str | Path | None = None) -> tuple[PipelineConfig, Path, Path]:
-    """(config, root dir, base dir for relative paths)."""
+def load_pipeline(
+    path: str | Path, root: str | Path | None = None
+) -> tuple[PipelineConfig, Path | str, Path]:
+    """(config, root dir or bucket URL, base dir for relative paths)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pipeline file {path} does not exist")
@@ -95,8 +112,17 @@ def load_pipeline(path: str | Path, root: str | Path | None = None) -> tuple[Pip
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"pipeline {path}: step names must be unique; repeated: {', '.join(dupes)}")
-    out_root = Path(root) if root is not None else base / cfg.root
-    return cfg, out_root.resolve(), base
+    return cfg, _resolve_root(root if root is not None else cfg.root, root is None, base), base
+
+
+def _resolve_root(root: str | Path, from_file: bool, base: Path) -> Path | str:
+    """A bucket URL as given (no trailing /), else an absolute directory (a file's `root` is
+    relative to the file, --root to the working directory)."""
+    storage.check_scheme(root, "pipeline root")
+    if storage.is_url(root):
+        return str(root).rstrip("/")
+    path = storage.local(root)
+    return (base / path if from_file else path).resolve()
 
 
 def _content_hash(path: Path) -> str:
@@ -151,73 +177,99 @@ def _previous(root: Path, name: str) -> dict | None:
     return json.loads((max(found)[1] / "provenance.json").read_text())
 
 
-def plan_pipeline(cfg: PipelineConfig, root: Path, base: Path, force: tuple[str, ...] = ()) -> list[Planned]:
-    """Hash every step and decide what runs and why (nothing is executed)."""
+def plan_pipeline(
+    cfg: PipelineConfig, root: Path | str, base: Path, force: tuple[str, ...] = ()
+) -> list[Planned]:
+    """Hash every step and decide what runs and why (nothing is executed). With a bucket root,
+    a step is done iff its marker is in the bucket (each step costs a HEAD, a run a listing)."""
     unknown = [f for f in force if f not in {s.name for s in cfg.steps}]
     if unknown:
         raise ConfigError(
             f"--force {unknown[0]}: no such step (steps: {', '.join(s.name for s in cfg.steps)})"
         )
+    bucket = isinstance(root, str)
+    if bucket:
+        remote.check_root(root)
     planned: dict[str, Planned] = {}
     version = _version()
     for s in cfg.steps:
         validate(s.name, s.kind, s.config, tuple(s.inputs))
     for s in _order(cfg):
-        inputs, hashes = {}, {}
+        inputs, hashes, recorded = {}, {}, {}
         for role, ref in s.inputs.items():
             if ref.startswith("@"):
                 name, _, sub = ref[1:].partition("/")
                 up = planned[name]
                 inputs[role] = up.out / sub if sub else up.out
                 hashes[role] = up.hash + (f"/{sub}" if sub else "")
+                recorded[role] = up.location + (f"/{sub}" if sub else "")
             else:
                 p = Path(ref) if Path(ref).is_absolute() else base / ref
                 inputs[role] = p.resolve()
                 hashes[role] = _content_hash(inputs[role])
+                recorded[role] = str(inputs[role])
         recipe = {"kind": s.kind, "config": s.config, "inputs": hashes, "version": version}
         h = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-        out = root / f"{s.name}-{h}"
+        step_dir = f"{s.name}-{h}"
+        url = str(storage.join(root, step_dir)) if bucket else None
+        out = remote.staging_dir(step_dir) if bucket else root / step_dir
         upstream_reran = any(
             planned[r[1:].split("/")[0]].status == "run" for r in s.inputs.values() if r.startswith("@")
         )
         if s.name in force:
             status, reason = "run", "forced"
-        elif (out / MARKER).is_file() and not upstream_reran:
-            status, reason = "done", "done"
-        elif out.exists() and not upstream_reran:
-            status, reason = "run", "incomplete (a previous run stopped before finishing)"
         else:
-            prev = _previous(root, s.name)
-            if prev is None:
-                reason = "new"
-            elif prev["step"]["config"] != s.config or prev["step"]["kind"] != s.kind:
-                reason = "config changed"
-            elif prev["input_hashes"] != hashes:
-                changed = sorted(r for r in hashes if prev["input_hashes"].get(r) != hashes[r])
-                reason = f"input changed ({', '.join(changed)})"
-            elif prev["version"] != version:
-                reason = "shipyard version changed"
+            where = remote.state(url) if bucket else _local_state(out)
+            if where == "done" and not upstream_reran:
+                status, reason = "done", "done"
+            elif where == "partial" and not upstream_reran:
+                status, reason = "run", "incomplete (a previous run stopped before finishing)"
             else:
-                reason = "upstream step forced" if upstream_reran else "new"
-            status = "run"
-        planned[s.name] = Planned(s, h, out, inputs, hashes, status, reason)
+                status, reason = "run", _reason(s, hashes, version, root, upstream_reran)
+        planned[s.name] = Planned(s, h, out, inputs, hashes, status, reason, url, recorded)
     return list(planned.values())
 
 
+def _local_state(out: Path) -> str:
+    """`done` (marker there), `partial` (a directory without one: a killed step) or `absent`."""
+    if (out / MARKER).is_file():
+        return "done"
+    return "partial" if out.exists() else "absent"
+
+
+def _reason(
+    s: StepConfig, hashes: dict[str, str], version: str, root: Path | str, upstream_reran: bool
+) -> str:
+    """Why a step with no finished output runs: what differs from its newest finished output."""
+    prev = remote.previous(root, s.name) if isinstance(root, str) else _previous(root, s.name)
+    if prev is None:
+        return "new"
+    if prev["step"]["config"] != s.config or prev["step"]["kind"] != s.kind:
+        return "config changed"
+    if prev["input_hashes"] != hashes:
+        changed = sorted(r for r in hashes if prev["input_hashes"].get(r) != hashes[r])
+        return f"input changed ({', '.join(changed)})"
+    if prev["version"] != version:
+        return "shipyard version changed"
+    return "upstream step forced" if upstream_reran else "new"
+
+
 def run_step(p: Planned, log=print) -> dict:
-    """Run one planned step into its directory; provenance, artifact digests, then the marker."""
+    """Run one planned step into its directory; provenance, artifact digests, then the marker.
+    With a bucket root the directory is the local staging one, published afterwards (marker last)."""
     if p.out.exists():
         shutil.rmtree(p.out)  # an unfinished or forced earlier attempt
     p.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    log(f"[{p.step.name}] running ({p.reason}) -> {p.out}")
+    staged = f" (staging {p.out})" if p.url else ""
+    log(f"[{p.step.name}] running ({p.reason}) -> {p.location}{staged}")
     STEPS[p.step.kind](p.out, p.inputs, p.step.config)
     p.out.mkdir(parents=True, exist_ok=True)
     wall = time.time() - started
     record = {
         "step": p.step.model_dump(mode="json"),
         "hash": p.hash,
-        "inputs": {k: str(v) for k, v in p.inputs.items()},
+        "inputs": p.recorded_inputs or {k: str(v) for k, v in p.inputs.items()},
         "input_hashes": p.input_hashes,
         "version": _version(),
         "git_commit": git_commit(),
@@ -232,6 +284,8 @@ def run_step(p: Planned, log=print) -> dict:
         record["run"] = json.loads(own.read_text())
     write_atomic(own, json.dumps(record, indent=2) + "\n")
     write_atomic(p.out / MARKER, "")
+    if p.url:
+        remote.publish(p.out, p.url, log)
     log(f"[{p.step.name}] done in {wall:.1f} s")
     return record
 
@@ -250,22 +304,54 @@ def run_pipeline(
     own process pools). With `ray_address` ("local" starts a Ray instance
     here) every step that has to run becomes a Ray task that waits for its
     upstream tasks, so independent steps run at the same time on the cluster;
-    the root must be on storage every node sees.
+    the root must be on storage every node sees (a bucket root is not supported there).
+    With a bucket root, each step that runs first fetches the upstream outputs it reads.
     """
     cfg, out_root, base = load_pipeline(path, root)
+    if ray_address is not None and isinstance(out_root, str):
+        raise ConfigError(
+            f"run --ray: the root {storage.redact(out_root)} is a bucket; Ray runs need a root on a "
+            "shared filesystem (or run without --ray)"
+        )
     planned = plan_pipeline(cfg, out_root, base, force)
     width = max(len(p.step.name) for p in planned)
     for p in planned:
-        log(f"{p.step.name:<{width}}  {p.status:<4}  {p.reason:<40}  {p.out}")
+        log(f"{p.step.name:<{width}}  {p.status:<4}  {p.reason:<40}  {p.location}")
     if dry_run:
         return planned
     if ray_address is not None:
         _run_on_ray(planned, ray_address, log)
         return planned
+    by_name = {p.step.name: p for p in planned}
     for p in planned:
         if p.status == "run":
+            for q in _needed(p, by_name):
+                fetch_output(q, log)
             run_step(p, log)
     return planned
+
+
+def fetch_output(p: Planned, log=print) -> Path:
+    """The step's output directory on this machine: itself for a local root; for a bucket root
+    its staging directory, fetched from the bucket unless that copy is already there."""
+    if p.url is None:
+        return p.out
+    return remote.fetch(p.url, p.out, p.step.kind, log)
+
+
+def _needed(p: Planned, by_name: dict[str, Planned]) -> list[Planned]:
+    """The upstream steps whose files `p` reads: its @inputs and, where an output names its own
+    inputs by path (steps.PATH_INPUTS: a run's token directories), those too."""
+    seen: dict[str, Planned] = {}
+    todo = [by_name[u] for u in _upstream(p)]
+    while todo:
+        q = todo.pop()
+        if q.step.name in seen:
+            continue
+        seen[q.step.name] = q
+        refs = [q.step.inputs.get(role, "") for role in PATH_INPUTS.get(q.step.kind, ())]
+        todo += [by_name[r[1:].split("/", 1)[0]] for r in refs if r.startswith("@")]
+    return list(seen.values())
 
 
 def _upstream(p: Planned) -> list[str]:
@@ -297,25 +383,22 @@ def _run_on_ray(planned: list[Planned], address: str, log) -> None:
 
 
 def reproduce(output_dir: str | Path, root: str | Path, log=print) -> list[dict]:
-    """Rerun the recorded chain behind `output_dir` into `root`; compare artifact digests step by step."""
-    output_dir = Path(output_dir)
-    if not (output_dir / "provenance.json").is_file():
-        raise DataError(f"reproduce: {output_dir} has no provenance.json (not a finished pipeline step)")
+    """Rerun the recorded chain behind `output_dir` into `root`; compare artifact digests step by step.
+    Either may be a bucket URL (the chain is read from the provenance records in the bucket)."""
+    storage.check_scheme(output_dir, "reproduce")
+    storage.check_scheme(root, "reproduce --root")
     chain: dict[str, dict] = {}
 
-    def collect(d: Path) -> None:
-        prov = json.loads((d / "provenance.json").read_text())
+    def collect(d: str) -> None:
+        prov = _read_provenance(d)
         for role, ref in prov["step"]["inputs"].items():
             if ref.startswith("@"):
-                up = Path(prov["inputs"][role])
+                up = prov["inputs"][role]
                 sub = ref[1:].partition("/")[2]
-                collect(Path(str(up)[: -len(sub) - 1]) if sub else up)
+                collect(up[: -len(sub) - 1] if sub else up)
         chain.setdefault(prov["step"]["name"], {"prov": prov, "dir": d})
 
-    collect(output_dir)
-    root = Path(root)
-    if root.exists() and any(root.iterdir()):
-        raise DataError(f"reproduce: {root} is not empty; give a fresh directory")
+    collect(str(output_dir).rstrip("/"))
     # External inputs are referred to by absolute path, so the pipeline file can live anywhere.
     steps = []
     for item in chain.values():
@@ -325,17 +408,50 @@ def reproduce(output_dir: str | Path, root: str | Path, log=print) -> list[dict]
             for role, ref in s["inputs"].items()
         }
         steps.append({**s, "inputs": inputs})
-    root.mkdir(parents=True, exist_ok=True)
-    pipeline_file = root / "pipeline.yaml"
+    pipeline_file, steps_root = _fresh_root(root)
     import yaml
 
-    pipeline_file.write_text(yaml.safe_dump({"root": str(root / "steps"), "steps": steps}, sort_keys=False))
+    text = yaml.safe_dump({"root": steps_root, "steps": steps}, sort_keys=False)
+    pipeline_file.write_text(text)
+    if storage.is_url(root):
+        storage.write_bytes(str(storage.join(str(root), "pipeline.yaml")), text.encode())
     planned = run_pipeline(pipeline_file, log=log)
     results = []
     for p in planned:
         recorded = chain[p.step.name]["prov"]["artifacts"]
-        now = json.loads((p.out / "provenance.json").read_text())["artifacts"]
+        now = json.loads((fetch_output(p, log) / "provenance.json").read_text())["artifacts"]
         same = recorded == now
         results.append({"step": p.step.name, "identical": same, "recorded": recorded, "reproduced": now})
         log(f"[{p.step.name}] {'identical' if same else 'DIFFERENT'}: {now}")
     return results
+
+
+def _read_provenance(d: str) -> dict:
+    """A finished step's provenance.json, from a directory or a bucket prefix."""
+    if storage.is_url(d):
+        if not storage.is_published(d):
+            raise DataError(f"reproduce: {storage.redact(d)} has no {MARKER} (not a finished pipeline step)")
+        return remote.read_provenance(d)
+    path = storage.local(d) / "provenance.json"
+    if not path.is_file():
+        raise DataError(f"reproduce: {path.parent} has no provenance.json (not a finished pipeline step)")
+    return json.loads(path.read_text())
+
+
+def _fresh_root(root: str | Path) -> tuple[Path, str]:
+    """(where the pipeline file goes, the steps' root) for `reproduce --root`, which must be empty.
+    For a bucket root the file is written locally too (a pipeline file is read from disk)."""
+    if storage.is_url(root):
+        root = str(root).rstrip("/")
+        remote.check_root(root)
+        if storage.list_files(root):
+            raise DataError(f"reproduce: {storage.redact(root)} is not empty; give a fresh prefix")
+        digest_of_root = hashlib.sha256(storage.redact(root).encode()).hexdigest()[:16]
+        local_dir = remote.staging_root() / "reproduce" / digest_of_root
+        local_dir.mkdir(parents=True, exist_ok=True)
+        return local_dir / "pipeline.yaml", str(storage.join(root, "steps"))
+    root = storage.local(root)
+    if root.exists() and any(root.iterdir()):
+        raise DataError(f"reproduce: {root} is not empty; give a fresh directory")
+    root.mkdir(parents=True, exist_ok=True)
+    return root / "pipeline.yaml", str(root.resolve() / "steps")

@@ -275,6 +275,11 @@ STEPS: dict[str, StepFn] = {
     "report": _report,
 }
 
+# Input roles whose paths a step's output records and its consumers open: a run's config.yaml
+# names its token directories (eval scores a unigram baseline of data.train_tokens). A consumer of
+# such a step needs those inputs on its machine too (a pipeline root in a bucket fetches them).
+PATH_INPUTS: dict[str, tuple[str, ...]] = {"train": ("train_tokens", "validation_tokens")}
+
 # Files that record when/how long/where rather than what: left out of digests.
 _VOLATILE = {"provenance.json", "_SUCCESS", "stats.json", "report.md", "prepare.json"}
 
