@@ -230,8 +230,9 @@ def _read_hf_params(path: Path, shardings, what: str):
 
 def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = None) -> ModelDir:
     """The model directory at `path`; `what` (the command) prefixes every error. `tokenizer` (a
-    directory or a tokenizer.json) replaces the model's own."""
-    model_dir = _open(Path(path), what)
+    directory or a tokenizer.json) replaces the model's own. A run URL (s3://...) is read from a
+    verified local copy of its newest published checkpoint (train/remote_run.py: fetch_run)."""
+    model_dir = _open(_local_model(path, what), what)
     if tokenizer is None:
         return model_dir
     tok = Path(tokenizer)
@@ -280,6 +281,17 @@ def _open(path: Path, what: str) -> ModelDir:
     return ModelDir(path, "run", cfg, steps)
 
 
+def _local_model(path: str | Path, what: str) -> Path:
+    """A model directory as a local path: a run URL fetched into the user cache, a path as it is."""
+    from shipyard import storage
+
+    if not storage.is_url(path):
+        return Path(path)
+    from shipyard.train.remote_run import fetch_run
+
+    return fetch_run(str(path), what)
+
+
 def load_model(
     path: str | Path, step: int | None = None, *, to_host: bool = True, what: str = "load"
 ) -> Weights:
@@ -321,7 +333,7 @@ def run_tokenizer(cfg: Config) -> Path | None:
 def init_from_tokenizer(init_from: str | Path) -> Path | None:
     """The tokenizer that came with train.init_from: next to it (an `import hf` directory or its
     params/, an HF directory, a run's tokenizer/), else the one its model directory speaks."""
-    base = Path(init_from)
+    base = _local_model(init_from, "train.init_from")
     for candidate in (base, base.parent, base / "tokenizer"):
         if (candidate / "tokenizer.json").is_file():
             return candidate
@@ -455,7 +467,7 @@ def announce_vocab_resize(cfg: Config, run_dir: Path | None, say) -> None:
 def _init_from_config(cfg: Config) -> Config | None:
     """The resolved config of the model train.init_from names (a run, an import or its params/, an HF
     directory), or None for a bare params tree."""
-    path = Path(cfg.train.init_from).absolute()
+    path = _local_model(cfg.train.init_from, "train.init_from").absolute()
     places = [path] + ([path.parent] if path.name == "params" else [])
     for place in places:
         if (place / "config.yaml").is_file() or (place / "config.json").is_file():
@@ -471,7 +483,7 @@ def check_init_from(cfg: Config) -> None:
     checksums)."""
     if cfg.train.init_from is None:
         return
-    path = Path(cfg.train.init_from).absolute()
+    path = _local_model(cfg.train.init_from, "train.init_from").absolute()
     if not path.is_dir():
         raise ConfigError(
             f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
@@ -487,7 +499,7 @@ def check_init_from(cfg: Config) -> None:
         model_dir.verify(model_dir.steps[0], "train.init_from")
         if model_dir.config.train.init_from is None:
             return
-        path = Path(model_dir.config.train.init_from).absolute()
+        path = _local_model(model_dir.config.train.init_from, "train.init_from").absolute()
 
 
 def _same_model(theirs: Config, ours: Config, path: Path) -> None:
@@ -527,7 +539,7 @@ def load_init_params(path: str | Path, specs, shardings):
 
     from shipyard.model.params import abstract_params
 
-    path = Path(path).absolute()
+    path = _local_model(path, "train.init_from").absolute()
     if not path.is_dir():
         raise ConfigError(
             f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"

@@ -32,7 +32,8 @@ MODEL_DIR_HELP = (
 
 def add_model_dir(p: argparse.ArgumentParser, help: str = MODEL_DIR_HELP) -> None:
     """The model directory argument every command that reads a model takes, with --step and --tokenizer."""
-    p.add_argument("run_dir", type=Path, metavar="MODEL_DIR", help=help)
+    # a run URL (s3://...) stays a string: Path would fold its // into one
+    p.add_argument("run_dir", type=lambda v: v if "://" in v else Path(v), metavar="MODEL_DIR", help=help)
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (default: the newest)")
     p.add_argument(
         "--tokenizer",

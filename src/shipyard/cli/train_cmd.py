@@ -6,6 +6,14 @@ from pathlib import Path
 
 from shipyard.cli.args import CONFIG_HELP, load_config_arg, whole_number
 from shipyard.errors import ConfigError
+from shipyard.storage import is_url
+
+CACHE_ENV = "SHIPYARD_RUN_CACHE"  # train/remote_run.py's (not imported here: the CLI starts fast)
+
+
+def path_or_url(value: str) -> Path | str:
+    """A run directory argument: a URL stays a string (Path would fold s3:// into s3:/)."""
+    return value if is_url(value) else Path(value)
 
 
 def _cmd_train(args) -> int:
@@ -55,7 +63,11 @@ def register(sub) -> None:
     tr.add_argument("config", help=CONFIG_HELP)
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument(
-        "--run-dir", type=Path, default=None, help="run directory (default: run.out_dir/run.name)"
+        "--run-dir",
+        type=path_or_url,
+        default=None,
+        help="run directory (default: run.out_dir/run.name); a URL (s3://bucket/runs/x) trains in a local "
+        f"working copy (under the user cache, or ${CACHE_ENV}) published to the bucket as it goes",
     )
     tr.add_argument("--overwrite", action="store_true", help="replace an existing run in the run directory")
     tr.add_argument(
@@ -88,7 +100,9 @@ def register(sub) -> None:
         default=None,
         help="CPU testing: host devices each process exposes",
     )
-    la.add_argument("--run-dir", type=Path, default=None, help="run directory (shared by all processes)")
+    la.add_argument(
+        "--run-dir", type=path_or_url, default=None, help="run directory (shared by all processes)"
+    )
     la.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
     la.add_argument("--overwrite", action="store_true", help="replace an existing run")
     la.set_defaults(func=_cmd_launch)

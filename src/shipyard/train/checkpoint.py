@@ -97,7 +97,16 @@ def verify_checksums(directory: Path, step: int) -> str | None:
 class Checkpointer:
     """Decides when to save, saves asynchronously, and hashes finished saves; one per run."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, total_steps: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        total_steps: int,
+        on_hashed: Callable[[int], None] | None = None,
+    ):
+        """`on_hashed(step)` is called (from the hashing thread) once checkpoint `step` is final and
+        its sidecar written: what a run in a bucket publishes (train/remote_run.py)."""
+        self.on_hashed = on_hashed
         self.cfg = cfg
         self.total_steps = total_steps
         self.directory = checkpoint_dir(run_dir)
@@ -146,6 +155,8 @@ class Checkpointer:
             for step in steps:
                 if step in kept:
                     write_checksums(self.directory, step)
+                    if self.on_hashed is not None:
+                        self.on_hashed(step)
             # sidecars of checkpoints Orbax has garbage-collected go too
             for sidecar in self.directory.glob(f"*{SIDECAR}"):
                 stem = sidecar.name[: -len(SIDECAR)]

@@ -17,9 +17,10 @@ import jax
 
 import shipyard
 from shipyard import cpu_tuning
-from shipyard.config import Config, to_yaml
+from shipyard.config import Config
 from shipyard.errors import RunDirError
 from shipyard.output import write_atomic
+from shipyard.storage import redact
 
 RUN_FILES = ("config.yaml", "provenance.json", "metrics.jsonl")
 _PACKAGES = ("jax", "jaxlib", "optax", "numpy", "pydantic", "pyyaml")
@@ -237,7 +238,7 @@ def provenance(inputs: dict[str, dict]) -> dict:
     return {
         "versions": package_versions(),
         "git_commit": _git_commit(),
-        "argv": sys.argv,
+        "argv": [redact_arg(a) for a in sys.argv],
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "devices": {"count": len(devices), "kind": devices[0].device_kind, "platform": devices[0].platform},
@@ -249,6 +250,32 @@ def provenance(inputs: dict[str, dict]) -> dict:
     }
 
 
-def write_run_header(run_dir: Path, cfg: Config, inputs: dict[str, dict]) -> None:
-    write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    write_atomic(run_dir / "provenance.json", json.dumps(provenance(inputs), indent=2) + "\n")
+def redact_arg(arg: str) -> str:
+    """A command-line word with any URL in it redacted (`--run-dir=s3://...`, `data.train_tokens=gs://...`)."""
+    if "://" not in arg:
+        return arg
+    key, sep, value = arg.rpartition("=")
+    return f"{key}{sep}{redact(value)}" if sep and "://" in value else redact(arg)
+
+
+def _redacted(obj):
+    """A dumped config with every URL redacted (credentials never reach config.yaml)."""
+    if isinstance(obj, dict):
+        return {k: _redacted(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_redacted(v) for v in obj]
+    return redact(obj) if isinstance(obj, str) and "://" in obj else obj
+
+
+def config_text(cfg: Config) -> str:
+    """config.yaml's text: the resolved config, URLs redacted."""
+    import yaml
+
+    return yaml.safe_dump(_redacted(cfg.model_dump(mode="json")), sort_keys=False)
+
+
+def write_run_header(run_dir: Path, cfg: Config, inputs: dict[str, dict], url: str | None = None) -> None:
+    """config.yaml and provenance.json; `url`: the bucket the run is published to (recorded redacted)."""
+    write_atomic(run_dir / "config.yaml", config_text(cfg))
+    prov = _redacted(provenance(inputs) | ({"published_to": url} if url is not None else {}))
+    write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2) + "\n")

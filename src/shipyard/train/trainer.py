@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -10,15 +11,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shipyard.config import Config, to_yaml
+from shipyard import storage
+from shipyard.config import Config
 from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
-from shipyard.data.tokens import tokens_sha256
+from shipyard.data.tokens import is_shard_set, tokens_sha256
 from shipyard.errors import ConfigError
 from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed
 from shipyard.runs import announce_vocab_resize, base_params, check_ids_fit, check_init_from, run_tokenizer
+from shipyard.train import remote_run
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
 from shipyard.train.loop import (
     Evaluator,
@@ -37,6 +40,7 @@ from shipyard.train.program import TrainProgram, build_program, document_eos_id,
 from shipyard.train.reference import ReferencedLoader, ReferencedRows, cached_reference, reference_copy
 from shipyard.train.rundir import (
     check_resumable,
+    config_text,
     prepare_run_dir,
     record_resume,
     truncate_metrics,
@@ -48,7 +52,10 @@ from shipyard.train.step import init_state
 Say = Callable[[str], None]
 
 
-def run_dir_for(cfg: Config) -> Path:
+def run_dir_for(cfg: Config) -> Path | str:
+    """run.out_dir/run.name: a path, or a URL when run.out_dir is one (a run published to a bucket)."""
+    if storage.is_url(cfg.run.out_dir):
+        return str(storage.join(cfg.run.out_dir, cfg.run.name))
     return Path(cfg.run.out_dir) / cfg.run.name
 
 
@@ -140,13 +147,24 @@ def run_inputs(cfg: Config, data: TrainData) -> dict:
         return data.preference["inputs"]
     names = [f"mixture[{i}]" for i in range(len(data.paths))] if cfg.data.mixture else ["train_tokens"]
     return {
-        n: {"path": str(p), "sha256": tokens_sha256(p), "verified": cfg.data.verify and Path(p).is_dir()}
+        n: {
+            "path": storage.redact(p),
+            "sha256": tokens_sha256(p),
+            "verified": cfg.data.verify and is_shard_set(p),
+        }
         for n, p in zip(names, data.paths)
     }
 
 
 def open_run_dir(
-    cfg: Config, run_dir: Path, data: TrainData, resume: bool, overwrite: bool, main: bool, say: Say
+    cfg: Config,
+    run_dir: Path,
+    data: TrainData,
+    resume: bool,
+    overwrite: bool,
+    main: bool,
+    say: Say,
+    url: str | None = None,
 ) -> bool:
     """Check a run to resume, or prepare a fresh run directory and write its header; True when resuming."""
     inputs = run_inputs(cfg, data)
@@ -158,7 +176,7 @@ def open_run_dir(
     if main:
         prepare_run_dir(run_dir, overwrite or resume)
     if main:
-        write_run_header(run_dir, cfg, inputs)
+        write_run_header(run_dir, cfg, inputs, url)
         if (
             data.tokenizer is not None
         ):  # the run carries its tokenizer: export, generate and chat find it there
@@ -186,7 +204,7 @@ def initial_state(program: TrainProgram, run_dir: Path, resuming: bool, main: bo
     if main:
         truncate_metrics(run_dir / "metrics.jsonl", start)
         record_resume(run_dir, start)
-        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        write_atomic(run_dir / "config.yaml", config_text(cfg))
     say(f"shipyard: resumed from checkpoint {start} in {ckpt_dir}")
     return start, state, frozen
 
@@ -270,6 +288,18 @@ def step_log(program: TrainProgram, run_dir: Path, start: int, main: bool) -> St
     )
 
 
+def _close(batches, log, checkpointer: Checkpointer, publisher, complete: bool) -> None:
+    """End a run's background work: prefetch, logs, pending saves and their hashes, then (a run in a
+    bucket) the final publication, whose run marker goes up only when the run finished (`complete`)."""
+    try:
+        batches.close()
+        log.close()
+        checkpointer.close()
+    finally:
+        if publisher is not None:
+            publisher.close(complete)
+
+
 def _train(
     cfg: Config,
     run_dir: Path | None,
@@ -280,26 +310,41 @@ def _train(
     distributed.initialize(cfg.distributed)
     main = distributed.is_main_process()
     say = partial(say_on, main)
-    run_dir = Path(run_dir) if run_dir is not None else run_dir_for(cfg)
+    target = run_dir if run_dir is not None else run_dir_for(cfg)
+    storage.check_scheme(target, "--run-dir")
+    url = str(target) if storage.is_url(target) else None
     data = load_data(cfg, say)
     program = build_program(cfg, eos_id=data.eos_id)
-    resuming = open_run_dir(cfg, run_dir, data, resume, overwrite, main, say)
+    # A run in a bucket trains in a local working copy (pulled from the bucket on --resume) and is
+    # published as it goes: train/remote_run.py
+    run_dir = remote_run.local_copy(url) if url is not None else storage.local(target)
+    if url is not None and main:
+        remote_run.open_remote(url, resume, overwrite, say)
+    resuming = open_run_dir(cfg, run_dir, data, resume, overwrite, main, say, url)
     distributed.barrier("run directory ready")
     start, state, frozen = initial_state(program, run_dir, resuming, main, say)
     data, reference = preference_reference(program, run_dir, data, state, frozen, resuming, main, say)
     announce(program, state, run_dir, say)
     log = step_log(program, run_dir, start, main)
-    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
+    publisher = None
+    if url is not None and main:
+        publisher = remote_run.Publisher(run_dir, url, cfg.train.checkpoint, say)
+        publisher.sync_files()  # the header is in the bucket from the start
+        log = remote_run.PublishedLog(log, publisher)
+    hashed = publisher.checkpoint_hashed if publisher is not None else None
+    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps, on_hashed=hashed)
     batches = Prefetcher(batch_source(program, data), start, cfg.train.steps)
     evaluate = Evaluator(program, data.validation, frozen, reference)
     profile = ProfileWindow(profile_steps, run_dir / "profile", main, say)
     parts = LoopParts(program.train_step, frozen, batches, evaluate, checkpointer, log, profile, reference)
     try:
         stopped_at = run_loop(parts, state, start, cfg.train.steps)
-    finally:
-        batches.close()
-        log.close()
-        checkpointer.close()
+    except BaseException:
+        # the run's own error is the one to report: a store that is down too was said already
+        with contextlib.suppress(storage.StorageError):
+            _close(batches, log, checkpointer, publisher, complete=False)
+        raise
+    _close(batches, log, checkpointer, publisher, complete=stopped_at is None)
     if stopped_at is not None:
         say(
             f"shipyard: {stopped_at[1]} received: saved checkpoint {stopped_at[0]} in {checkpointer.directory}; "
