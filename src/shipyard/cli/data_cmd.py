@@ -43,11 +43,19 @@ def _stage_common(args, schema, section: str | None = None):
     return cfg, read, getattr(args, "workers", None) or default_workers()
 
 
+def location(text: str) -> str | Path:
+    """An argparse type for paths that may be URLs: a URL stays a str (Path would fold its '//'),
+    anything else is a Path. Unknown schemes are refused where the path is used (storage.check_scheme)."""
+    return text if "://" in text else Path(text)
+
+
 def _report_stage(args, stats: dict) -> int:
+    from shipyard import storage
     from shipyard.data.prepare import describe
 
     print(f"{args.data_command}: {describe(stats)}")
-    print(f"wrote {args.out} (stats in {args.out / 'stats.json'})")
+    out = storage.redact(args.out)
+    print(f"wrote {out} (stats in {storage.redact(storage.join(args.out, 'stats.json'))})")
     return 0
 
 
@@ -96,6 +104,7 @@ def _cmd_data_tokenize(args) -> int:
 
 
 def _cmd_data_classifier_train(args) -> int:
+    from shipyard import storage
     from shipyard.data.classifier import run_classifier_train
     from shipyard.data.configs import ClassifierTrainConfig
 
@@ -110,7 +119,7 @@ def _cmd_data_classifier_train(args) -> int:
             f"classifier-train: {trained}; held-out accuracy {held['accuracy']:.4f}, "
             f"precision {held['precision'] or 0:.4f}, recall {held['recall'] or 0:.4f}"
         )
-    print(f"wrote {args.out} (model.bin, report.json)")
+    print(f"wrote {storage.redact(args.out)} (model.bin, report.json)")
     return 0
 
 
@@ -155,12 +164,16 @@ def _cmd_data_verify(args) -> int:
     return 0
 
 
-INPUTS_HELP = "document files or directories (jsonl[.gz|.zst], parquet, txt, html)"
+INPUTS_HELP = (
+    "document files or directories (jsonl[.gz|.zst], parquet, txt, html), or URLs of objects or prefixes"
+)
 
 
 def _stage_arguments(st) -> None:
     """The flags every data stage takes: --out, --config, --set, reading, --overwrite."""
-    st.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")
+    st.add_argument(
+        "--out", type=location, required=True, help="output directory or URL (written atomically / published)"
+    )
     st.add_argument("--config", type=Path, default=None, help="YAML file with this stage's settings")
     st.add_argument(
         "--set",
@@ -191,7 +204,9 @@ def _register_classifier(data_sub) -> None:
 
     cl = data_sub.add_parser("classify", help="score documents with a quality classifier and keep the best")
     cl.add_argument("inputs", nargs="+", help=INPUTS_HELP)
-    cl.add_argument("--model", type=Path, required=True, help="a `data classifier-train` output directory")
+    cl.add_argument(
+        "--model", type=location, required=True, help="a `data classifier-train` output directory"
+    )
     # Plain floats, checked by ClassifyConfig: the same one-line errors as --set threshold=...
     cl.add_argument("--threshold", type=float, default=None, help="keep scores >= T (default 0.5)")
     cl.add_argument(
@@ -238,11 +253,14 @@ def register(sub) -> None:
             )
         if name == "decontaminate":
             st.add_argument(
-                "--eval", type=Path, action="append", default=[], help="evaluation set (repeatable)"
+                "--eval", type=location, action="append", default=[], help="evaluation set (repeatable)"
             )
         if name == "tokenize":
             st.add_argument(
-                "--tokenizer", type=Path, required=True, help="tokenizer.json or a directory holding one"
+                "--tokenizer",
+                type=location,
+                required=True,
+                help="tokenizer.json or a directory holding one (or their URL)",
             )
         func = {"tokenizer-train": _cmd_data_tokenizer_train, "tokenize": _cmd_data_tokenize}.get(
             name, _cmd_data_stage

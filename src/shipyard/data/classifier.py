@@ -164,7 +164,7 @@ def run_classifier_train(
     # fastText trains in file order: interleave the classes so SGD does not see one class, then the other.
     train = [train[i] for i in rng.permutation(len(train))]
     _fasttext()  # a missing package fails before any work
-    with stage_output(Path(out), overwrite, "classifier-train") as tmp:
+    with stage_output(out, overwrite, "classifier-train") as tmp:
         train_file = tmp / "train.txt"
         train_file.write_text("\n".join(train) + "\n", encoding="utf-8")
         model = _train_model(train_file, tmp / MODEL_FILE, cfg)
@@ -363,7 +363,7 @@ def run_classify(
         ties, scores = [-1] * len(units), None
     hist = np.zeros(cfg.histogram_bins, np.int64)
     levels: dict[int, dict] = {}
-    with stage_output(Path(out), overwrite, "classify") as tmp:
+    with stage_output(out, overwrite, "classify") as tmp:
         items = (
             (i, u, str(tmp), read.text_field, cutoff, ties[i], scores[i] if scores is not None else None)
             for i, u in enumerate(units)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shipyard.data.sources import Location, as_location, list_url, name_of, open_binary, shown, size_of
 from shipyard.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -65,12 +66,15 @@ class ReadStats:
         self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
 
 
-def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
-    """Files named directly, plus the readable files under named directories (sorted, so order is stable)."""
-    out: list[Path] = []
+def expand_inputs(inputs: Iterable[str | Path]) -> list[Location]:
+    """Files named directly, plus the readable files under named directories (sorted, so order is
+    stable); a URL is an object or a prefix walked like a directory (see `sources.list_url`)."""
+    out: list[Location] = []
     for item in inputs:
-        path = Path(item)
-        if path.is_dir():
+        path = as_location(item)
+        if isinstance(path, str):
+            out.extend(list_url(path, FILE_SUFFIXES))
+        elif path.is_dir():
             out.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FILE_SUFFIXES)))
         elif path.is_file():
             if not path.name.endswith(FILE_SUFFIXES):
@@ -83,7 +87,7 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _zstd_lines(path: Path) -> Iterator[bytes]:
+def _zstd_lines(path: Location) -> Iterator[bytes]:
     """Lines of a .zst file; EOFError if the last frame is cut off.
 
     zstandard's stream reader ends quietly at a truncated frame, so frames
@@ -94,7 +98,7 @@ def _zstd_lines(path: Path) -> Iterator[bytes]:
 
     pending = b""
     dobj = zstandard.ZstdDecompressor().decompressobj()
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         while chunk := f.read(1 << 20):
             while chunk:
                 if dobj.eof:  # the previous frame is complete: this data starts the next one
@@ -110,13 +114,18 @@ def _zstd_lines(path: Path) -> Iterator[bytes]:
         yield pending
 
 
-def _open_lines(path: Path):
+def _gzip_lines(path: Location) -> Iterator[bytes]:
+    with open_binary(path) as raw, gzip.open(raw, "rb") as f:
+        yield from f
+
+
+def _open_lines(path: Location):
     """Context manager yielding an iterator of raw lines (decoded one by one, so bad UTF-8 stays local)."""
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.name.endswith(".zst"):
+    if name_of(path).endswith(".gz"):
+        return contextlib.closing(_gzip_lines(path))
+    if name_of(path).endswith(".zst"):
         return contextlib.closing(_zstd_lines(path))
-    return open(path, "rb")  # noqa: SIM115
+    return open_binary(path)
 
 
 def _zstd_error() -> type[Exception]:
@@ -125,9 +134,9 @@ def _zstd_error() -> type[Exception]:
     return zstandard.ZstdError
 
 
-def _range_lines(path: Path, start: int, end: int):
+def _range_lines(path: Location, start: int, end: int):
     """Lines of a plain file from byte `start` (a line start) up to `end` (a line start, or -1 for EOF)."""
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         f.seek(start)
         pos = start
         for line in f:
@@ -138,7 +147,7 @@ def _range_lines(path: Path, start: int, end: int):
 
 
 def _read_jsonl(
-    path: Path, text_field: str, stats: ReadStats, unit: Unit | None = None
+    path: Location, text_field: str, stats: ReadStats, unit: Unit | None = None
 ) -> Iterator[Document]:
     first = unit.first_line if unit else 1
     lineno = first - 1
@@ -152,7 +161,7 @@ def _read_jsonl(
             for lineno, line in enumerate(raw, first):
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
+                where = f"{shown(path)}:{lineno}"
                 try:
                     record = json.loads(line.decode("utf-8"))
                 except UnicodeDecodeError:
@@ -171,26 +180,31 @@ def _read_jsonl(
                 yield Document(
                     id=doc_id if isinstance(doc_id, str) else where,
                     text=text,
-                    source=source if isinstance(source, str) else str(path),
+                    source=source if isinstance(source, str) else shown(path),
                 )
     except (EOFError, OSError, zlib.error, _zstd_error()) as e:  # a cut-off or corrupt compressed stream
-        stats.reject(f"{path}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
+        stats.reject(f"{shown(path)}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
 
 
 def _read_parquet(
-    path: Path, text_field: str, stats: ReadStats, unit: Unit | None = None
+    path: Location, text_field: str, stats: ReadStats, unit: Unit | None = None
 ) -> Iterator[Document]:
+    with open_binary(path) as f:
+        yield from _parquet_rows(f, shown(path), text_field, stats, unit)
+
+
+def _parquet_rows(f, path: str, text_field: str, stats: ReadStats, unit: Unit | None) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as e:
-        stats.reject(str(path), f"unreadable parquet ({type(e).__name__})")
+        stats.reject(path, f"unreadable parquet ({type(e).__name__})")
         return
     if text_field not in pf.schema_arrow.names:
         if unit is None or unit.start == 0:  # reported once per file, not once per row group
-            stats.reject(str(path), f"missing column {text_field!r}")
+            stats.reject(path, f"missing column {text_field!r}")
         return
     groups = None
     row = 0
@@ -201,7 +215,7 @@ def _read_parquet(
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024, row_groups=groups):
             for text in batch.column(0).to_pylist():
                 if isinstance(text, str):
-                    yield Document(id=f"{path}#{row}", text=text, source=str(path))
+                    yield Document(id=f"{path}#{row}", text=text, source=path)
                 else:
                     stats.reject(f"{path}#{row}", f"missing or non-string field {text_field!r}")
                 row += 1
@@ -209,27 +223,29 @@ def _read_parquet(
         stats.reject(f"{path}#{row}", f"truncated or corrupt parquet ({type(e).__name__})")
 
 
-def _read_whole(path: Path, stats: ReadStats) -> Iterator[Document]:
-    data = path.read_bytes()
+def _read_whole(path: Location, stats: ReadStats) -> Iterator[Document]:
+    with open_binary(path) as f:
+        data = f.read()
+    where = shown(path)
     if not data.strip():
-        stats.reject(str(path), "empty file")
+        stats.reject(where, "empty file")
         return
     if b"\x00" in data[:8192]:
-        stats.reject(str(path), "binary file")
+        stats.reject(where, "binary file")
         return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        stats.reject(str(path), "invalid UTF-8")
+        stats.reject(where, "invalid UTF-8")
         return
-    yield Document(id=str(path), text=text, source=str(path))
+    yield Document(id=where, text=text, source=where)
 
 
 def read_file(
-    path: Path, stats: ReadStats, text_field: str = "text", unit: Unit | None = None
+    path: Location, stats: ReadStats, text_field: str = "text", unit: Unit | None = None
 ) -> Iterator[Document]:
     """Documents of one file (or of the part of it `unit` names), by its suffix; bad records go to `stats`."""
-    name = path.name
+    name = name_of(path)
     if name.endswith(JSONL_SUFFIXES):
         docs = _read_jsonl(path, text_field, stats, unit)
     elif name.endswith(".parquet"):
@@ -287,11 +303,10 @@ def unit_bytes_for(total: int) -> int:
     return int(min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_TARGET)))
 
 
-def _jsonl_ranges(path: Path, target: int) -> list[Unit]:
+def _jsonl_ranges(path: Location, size: int, target: int) -> list[Unit]:
     """Split a plain jsonl file at line starts about every `target` bytes, counting lines for the ids."""
-    size = path.stat().st_size
     units, start, line = [], 0, 1
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         while start + target < size:
             f.seek(start + target)
             boundary = start + target + len(f.readline())  # the next line start
@@ -309,14 +324,15 @@ def _jsonl_ranges(path: Path, target: int) -> list[Unit]:
     return units
 
 
-def _parquet_groups(path: Path, target: int) -> list[Unit]:
+def _parquet_groups(path: Location, file_size: int, target: int) -> list[Unit]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(path).metadata
+        with open_binary(path) as f:
+            meta = pq.ParquetFile(f).metadata
     except (pa.ArrowException, OSError):
-        return [Unit("whole", (str(path),), size=path.stat().st_size)]  # the reader reports it
+        return [Unit("whole", (str(path),), size=file_size)]  # the reader reports it
     units, first, row, size, group_start = [], 0, 0, 0, 0
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
@@ -331,7 +347,7 @@ def _parquet_groups(path: Path, target: int) -> list[Unit]:
 def plan_units(inputs: Iterable[str | Path]) -> list[Unit]:
     """The inputs as work units, in the stable order documents are read."""
     paths = expand_inputs(inputs)
-    sizes = [p.stat().st_size for p in paths]
+    sizes = [size_of(p) for p in paths]
     target = unit_bytes_for(sum(sizes))
     units: list[Unit] = []
     small: list[tuple[str, int]] = []
@@ -342,13 +358,13 @@ def plan_units(inputs: Iterable[str | Path]) -> list[Unit]:
             small.clear()
 
     for path, size in zip(paths, sizes):
-        name = path.name
+        name = name_of(path)
         if name.endswith(".jsonl") and size > target:
             flush_small()
-            units.extend(_jsonl_ranges(path, target))
+            units.extend(_jsonl_ranges(path, size, target))
         elif name.endswith(".parquet") and size > target:
             flush_small()
-            units.extend(_parquet_groups(path, target))
+            units.extend(_parquet_groups(path, size, target))
         elif name.endswith((".txt", ".html", ".htm")):
             small.append((str(path), size))
             if sum(n for _, n in small) >= target:
@@ -364,11 +380,11 @@ def read_unit(unit: Unit, stats: ReadStats, text_field: str = "text") -> Iterato
     """The documents of one work unit (what a worker reads by itself)."""
     if unit.kind == "files":
         for path in unit.paths:
-            yield from read_file(Path(path), stats, text_field)
+            yield from read_file(as_location(path), stats, text_field)
     elif unit.kind == "whole":
-        yield from read_file(Path(unit.paths[0]), stats, text_field)
+        yield from read_file(as_location(unit.paths[0]), stats, text_field)
     else:
-        yield from read_file(Path(unit.paths[0]), stats, text_field, unit)
+        yield from read_file(as_location(unit.paths[0]), stats, text_field, unit)
 
 
 def check_bad_fraction(stats: ReadStats, max_bad_fraction: float, stage: str) -> None:

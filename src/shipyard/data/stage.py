@@ -13,7 +13,10 @@ A stage's output directory holds `part-NNNNN.jsonl.zst` (records with id,
 source, text: readable by every stage as input) and `stats.json`. It is built
 under a temporary name next to the destination and renamed into place only
 when complete, so an interrupted stage never leaves a directory that looks
-finished.
+finished. An output URL (`s3://bucket/prefix`) is built in a local staging
+directory the same way and then published (`publish_output`): a tag object
+first, the files, the `_SUCCESS` marker last, so a reader can tell a prefix
+whose upload was cut off from a finished one (`sources.list_url` refuses it).
 
 Workers come from a fork server (`_context`): forking this process directly
 could deadlock if it has started JAX or tokenizers' threads.
@@ -22,15 +25,19 @@ could deadlock if it has started JAX or tokenizers' threads.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shipyard import __version__, storage
 from shipyard.data.documents import (
     Document,
     ReadStats,
@@ -40,6 +47,7 @@ from shipyard.data.documents import (
     plan_units,
     read_unit,
 )
+from shipyard.data.sources import STAGE_TAG
 from shipyard.errors import DataError
 from shipyard.output import atomic_dir, progress, write_json
 
@@ -85,7 +93,7 @@ class StageStats:
         seconds = time.time() - self.started
         return {
             "stage": self.stage,
-            "inputs": self.inputs,
+            "inputs": [storage.redact(i) for i in self.inputs],
             "config": self.config,
             "workers": self.workers,
             "documents_in": self.documents_in,
@@ -102,17 +110,60 @@ class StageStats:
         }
 
 
+HINT = "pass --overwrite or choose another --out"
+
+
 @contextlib.contextmanager
-def stage_output(out: Path, overwrite: bool, stage: str) -> Iterator[Path]:
-    """`output.atomic_dir` for data stage `stage`: an existing `out` is a data error unless --overwrite."""
-    with atomic_dir(
-        out,
-        f"data {stage}",
-        overwrite=overwrite,
-        hint="pass --overwrite or choose another --out",
-        error=DataError,
-    ) as tmp:
-        yield tmp
+def stage_output(out: str | Path, overwrite: bool, stage: str) -> Iterator[Path]:
+    """A local directory to write data stage `stage`'s output into, which becomes `out` when the
+    block completes: `output.atomic_dir` for a local `out`; for a URL, a local staging directory
+    published to it (`publish_output`). An existing `out` is a data error unless --overwrite."""
+    storage.check_scheme(out, f"data {stage} --out")
+    if not storage.is_url(out):
+        with atomic_dir(
+            storage.local(out), f"data {stage}", overwrite=overwrite, hint=HINT, error=DataError
+        ) as tmp:
+            yield tmp
+        return
+    url = str(out)
+    if not overwrite and output_exists(url):
+        raise DataError(f"data {stage}: {storage.redact(url)} already exists; {HINT}")
+    staging = Path(tempfile.mkdtemp(prefix=f"shipyard-{stage}-"))
+    try:
+        with atomic_dir(staging / "out", f"data {stage}", error=DataError) as tmp:
+            yield tmp
+        publish_output(staging / "out", url, stage)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def output_exists(url: str) -> bool:
+    """Whether anything is at output URL `url`: a publication (complete or not) or any object."""
+    return storage.is_published(url) or bool(storage.list_files(url)) or storage.exists(url)
+
+
+def publish_output(local_dir: Path, url: str, stage: str) -> None:
+    """Publish a finished stage directory to `url`: the old marker and objects go first, then the
+    stage tag (so a reader knows a marker is due), the files, and the marker last. The marker
+    lists every file's size and sha256 (tokenizer downloads check them)."""
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    listing = {
+        p.relative_to(local_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+    }
+    tag = {"stage": stage, "shipyard_version": __version__}
+    (local_dir / storage.MARKER).write_text(json.dumps({**tag, "files": listing}, indent=2) + "\n")
+    storage.remove(str(storage.join(url, storage.MARKER)))  # before anything else: no reader sees it again
+    storage.remove(url)
+    storage.write_bytes(str(storage.join(url, STAGE_TAG)), json.dumps(tag).encode())
+    storage.publish_dir(local_dir, url, replace=False)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def config_record(read, **sections) -> dict:
@@ -175,7 +226,8 @@ def pool_map(
             initializer(*initargs)
         yield from map(fn, items)
         return
-    with _context().Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    init = (storage_environment(), initializer, initargs)
+    with _context().Pool(workers, initializer=_init_worker, initargs=init) as pool:
         # Not Pool.imap: its feeder thread drains the input as fast as it can.
         # Two items per worker in flight keep every worker busy with bounded memory.
         inflight: deque = deque()
@@ -185,6 +237,26 @@ def pool_map(
                 yield inflight.popleft().get()
         while inflight:
             yield inflight.popleft().get()
+
+
+STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "FSSPEC_")
+
+
+def storage_environment() -> dict[str, str]:
+    """This process's object-storage settings (endpoint, region, credentials) from the environment."""
+    return {k: v for k, v in os.environ.items() if k.startswith(STORAGE_ENV_PREFIXES)}
+
+
+def _init_worker(env: dict[str, str], initializer: Callable | None, initargs: tuple) -> None:
+    """A pool worker's setup. The fork server keeps the environment of the moment it started (the
+    first pool of this process), so each worker takes the storage settings of now from its parent:
+    a stage must reach the same store as the process that planned it. Each worker then builds its
+    own fsspec client on first use (no client crosses a fork)."""
+    for k in [k for k in os.environ if k.startswith(STORAGE_ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 # Imported once by the fork server; each pool's workers are then forked from it
@@ -219,7 +291,8 @@ def plan(inputs: list[str]) -> list[Unit]:
     if not inputs:
         raise DataError("no inputs given (expected files or directories of documents)")
     if not expand_inputs(inputs):
-        raise DataError(f"inputs {', '.join(inputs)}: no readable document files found")
+        shown = ", ".join(storage.redact(i) for i in inputs)
+        raise DataError(f"inputs {shown}: no readable document files found")
     return plan_units(inputs)
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard import __version__
+from shipyard import __version__, storage
 from shipyard.data.configs import ReadConfig, TokenizeConfig
 from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
+from shipyard.data.remote_tokenizer import local_tokenizer
 from shipyard.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
 from shipyard.data.stage import StageStats, batches, config_record, plan, run_units, stage_output
 from shipyard.data.tokenizer import (
@@ -81,7 +82,8 @@ def run_tokenize(
     overwrite: bool = False,
 ) -> dict:
     inputs = [str(p) for p in inputs]
-    tokenizer_path = Path(tokenizer_path)
+    named = tokenizer_path  # as given (a URL is recorded as such, without credentials)
+    tokenizer_path = local_tokenizer(tokenizer_path)
     tok = load_tokenizer(tokenizer_path)
     ids = special_token_ids(tokenizer_path, tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -89,12 +91,12 @@ def run_tokenize(
     prefix = [ids["bos_token"]] if cfg.add_bos and ids["bos_token"] is not None else []
     if cfg.add_bos and not prefix:
         raise DataError(f"data tokenize: add_bos is set but tokenizer {tokenizer_path} has no BOS token")
-    config = config_record(read, tokenize=cfg, tokenizer=tokenizer_record(tokenizer_path))
+    config = config_record(read, tokenize=cfg, tokenizer=tokenizer_record(named))
     stats = StageStats("tokenize", inputs, config, workers)
     # units of each input, tagged with it, so the manifest can count per source
     tagged = [(src, u) for src in inputs for u in plan([src])]
     units = [u for _, u in tagged]
-    per_source = {src: {"documents": 0, "tokens": 0, "bytes": 0} for src in inputs}
+    per_source = {storage.redact(src): {"documents": 0, "tokens": 0, "bytes": 0} for src in inputs}
     with stage_output(out, overwrite, "tokenize") as tmp:
         writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
         single = workers > 1  # one worker runs in this process and may use tokenizers' own threads
@@ -105,9 +107,10 @@ def run_tokenize(
         ):
             stats.add(r)
             _write_documents(writer, r, cfg.shard_tokens)
-            per_source[src]["documents"] += len(r["lengths"])
-            per_source[src]["tokens"] += int(r["lengths"].sum())
-            per_source[src]["bytes"] += r["bytes_in"]
+            counts = per_source[storage.redact(src)]
+            counts["documents"] += len(r["lengths"])
+            counts["tokens"] += int(r["lengths"].sum())
+            counts["bytes"] += r["bytes_in"]
         shards = writer.close()
         check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenize")
         _copy_tokenizer(tokenizer_path, tmp)
@@ -118,7 +121,7 @@ def run_tokenize(
             "tokenizer": {
                 "file": TOKENIZER_FILE,
                 "sha256": tokenizer_sha256(tokenizer_path),
-                "source": str(tokenizer_path),
+                "source": storage.redact(named),
             },
             "vocab_size": vocab_size,
             "dtype": dtype.name,

@@ -7,6 +7,9 @@ Text that merely *looks like* a special token (a document containing the
 characters "<|eos|>") is encoded as ordinary bytes: `encode_special_tokens`
 is switched on whenever shipyard loads a tokenizer, so training data can
 never inject a document boundary or a chat role.
+
+Every function that takes a tokenizer path also takes its URL
+(`remote_tokenizer.local_tokenizer`: fetched once into the local cache).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from shipyard import storage
 from shipyard.data.configs import ReadConfig, TokenizerTrainConfig
 from shipyard.data.documents import Document, check_bad_fraction, read_unit
+from shipyard.data.remote_tokenizer import local_tokenizer
 from shipyard.data.stage import StageStats, config_record, plan, progress_bytes, stage_output
 from shipyard.errors import DataError
 from shipyard.output import write_json
@@ -26,10 +31,10 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def load_tokenizer(path: str | Path):
-    """A `tokenizers.Tokenizer` from a tokenizer.json file or a directory holding one."""
+    """A `tokenizers.Tokenizer` from a tokenizer.json file or a directory holding one (or their URL)."""
     from tokenizers import Tokenizer
 
-    path = Path(path)
+    path = local_tokenizer(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise DataError(
@@ -44,14 +49,14 @@ def load_tokenizer(path: str | Path):
 
 
 def tokenizer_sha256(path: str | Path) -> str:
-    path = Path(path)
+    path = local_tokenizer(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     return hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def tokenizer_record(path: str | Path) -> str:
-    """How stages name the tokenizer they used: path and content hash."""
-    return f"{path}@sha256:{tokenizer_sha256(path)}"
+    """How stages name the tokenizer they used: path (a URL without credentials) and content hash."""
+    return f"{storage.redact(path)}@sha256:{tokenizer_sha256(path)}"
 
 
 _EOS_GUESSES = ("<|eos|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
@@ -60,7 +65,8 @@ _BOS_GUESSES = ("<|bos|>", "<|begin_of_text|>", "<s>")
 
 def special_token_ids(path: str | Path, tok) -> dict[str, int | None]:
     """ids of bos/eos/pad: named by tokenizer_config.json next to the tokenizer, else guessed from the vocabulary."""
-    path = Path(path)
+    shown = storage.redact(path)
+    path = local_tokenizer(path)
     sidecar = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
     names: dict = {}
     if sidecar.is_file():
@@ -79,7 +85,7 @@ def special_token_ids(path: str | Path, tok) -> dict[str, int | None]:
     ids = {k: (tok.token_to_id(v) if isinstance(v, str) else None) for k, v in names.items()}
     if ids["eos_token"] is None:
         raise DataError(
-            f"tokenizer {path}: no end-of-document token (name it eos_token in tokenizer_config.json, "
+            f"tokenizer {shown}: no end-of-document token (name it eos_token in tokenizer_config.json, "
             f"or have one of {', '.join(_EOS_GUESSES)} in the vocabulary)"
         )
     return ids
