@@ -93,6 +93,7 @@ class FaultProxy:
     def __init__(self, port: int, drop_every: int = 0):
         self.upstream, self.drop_every = port, drop_every
         self.connections = self.dropped = 0
+        self.bytes_down = 0  # bytes the server sent its clients through this proxy (bodies and headers)
         self._down_until = 0.0
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -141,20 +142,26 @@ class FaultProxy:
             self._open |= {client, server}
         a = threading.Thread(target=_pipe, args=(client, server), daemon=True)
         a.start()
-        _pipe(server, client)
+        _pipe(server, client, self._count_down)
         a.join()
         with self._lock:
             self._open -= {client, server}
+
+    def _count_down(self, n: int) -> None:
+        with self._lock:
+            self.bytes_down += n
 
     def close(self) -> None:
         self._stop = True
         _close(self._listener)
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+def _pipe(src: socket.socket, dst: socket.socket, count=None) -> None:
     try:
         while data := src.recv(65536):
             dst.sendall(data)
+            if count is not None:
+                count(len(data))
     except OSError:
         pass
     finally:

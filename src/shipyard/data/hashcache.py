@@ -20,6 +20,14 @@ user writes into it would be trusted by all), and because pipeline input
 hashes and artifact digests hash every file of a directory, so a cache file
 there would change them. Writes are atomic (temporary file + rename); a cache
 that cannot be written or read is ignored (everything is hashed instead).
+
+Objects in a bucket (`url_sha256s`) are hashed by streaming them (ranged GETs
+of 8 MiB, each retried; nothing goes to disk) and remembered the same way,
+keyed by the URL (credentials redacted; for S3 with the endpoint, since the
+same bucket name on another server is another object) and stamped with what
+the store's `info` says: the size and the ETag (GCS: the generation; failing
+those, the modification time). A rewritten object gets a new ETag, so it is
+hashed again; an object whose info carries neither is hashed every time.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ def cache_root() -> Path:
     return Path(base) / "shipyard" / "sha256"
 
 
-def _cache_file(directory: Path) -> Path:
+def _cache_file(directory: str | Path) -> Path:
     return cache_root() / (hashlib.sha256(str(directory).encode()).hexdigest()[:32] + ".json")
 
 
@@ -63,7 +71,7 @@ def _stamp(path: Path) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _read(directory: Path) -> dict:
+def _read(directory: str | Path) -> dict:
     try:
         data = json.loads(_cache_file(directory).read_text())
     except (OSError, ValueError):
@@ -72,7 +80,7 @@ def _read(directory: Path) -> dict:
     return files if isinstance(files, dict) else {}
 
 
-def _write(directory: Path, files: dict) -> None:
+def _write(directory: str | Path, files: dict) -> None:
     target = _cache_file(directory)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,4 +120,70 @@ def sha256_files(directory: str | Path, names: Iterable[str], *, fresh: bool = F
     if changed:
         # drop entries of files that are gone, so the cache of a directory never outgrows it
         _write(directory, {n: e for n, e in known.items() if (directory / n).exists()})
+    return out
+
+
+REMOTE_CHUNK = 8 << 20
+"""Bytes per ranged GET when an object is hashed by streaming."""
+
+
+def url_sha256(url: str) -> str:
+    """The sha256 of an object's bytes, streamed in REMOTE_CHUNK ranged GETs (never to disk)."""
+    from shipyard.storage import RangeReader
+
+    reader = RangeReader(url)
+    h = hashlib.sha256()
+    for start in range(0, reader.size, REMOTE_CHUNK):
+        h.update(reader.read(start, min(reader.size, start + REMOTE_CHUNK)))
+    return h.hexdigest()
+
+
+def _remote_stamp(info: dict) -> list | None:
+    """[size, version] from a store's info: ETag, GCS generation, else a modification time; None when
+    it names no version (the object is then hashed every time)."""
+    for key in ("ETag", "etag", "generation", "LastModified", "mtime", "updated", "created"):
+        if info.get(key) is not None:
+            return [int(info.get("size") or 0), f"{key}={info[key]}"]
+    return None
+
+
+def _remote_key(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    from shipyard.storage import redact
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if urlsplit(url).scheme == "s3" else ""
+    return f"{redact(endpoint)}|{redact(url)}" if endpoint else redact(url)
+
+
+def url_sha256s(prefix: str, names: Iterable[str], *, fresh: bool = False) -> dict[str, str]:
+    """{name: sha256} of the objects `prefix/name` (hashed by streaming: see url_sha256), taken from
+    the cache for objects whose size and ETag (or generation) are unchanged since they were hashed;
+    all hashed when `fresh`. A missing object is left out."""
+    from shipyard.storage import filesystem, join, retrying
+
+    key = _remote_key(prefix)
+    known = _read(key)
+    cached = {} if fresh else known
+    out: dict[str, str] = {}
+    changed = False
+    for name in names:
+        url = str(join(prefix, name))
+        fs, path = filesystem(url)
+        try:
+            stamp = _remote_stamp(retrying(lambda fs=fs, path=path: fs.info(path), f"checking {key}/{name}"))
+        except Exception as e:  # a missing object is left out, as a missing file is
+            if isinstance(e.__cause__, FileNotFoundError):
+                continue
+            raise
+        entry = cached.get(name)
+        if stamp is not None and isinstance(entry, list) and len(entry) == 3 and entry[:2] == stamp:
+            out[name] = entry[2]
+            continue
+        out[name] = url_sha256(url)
+        if stamp is not None:  # an object's ETag names its bytes: no racy window as with mtimes
+            known[name] = [*stamp, out[name]]
+            changed = True
+    if changed:
+        _write(key, known)
     return out

@@ -14,38 +14,55 @@ the batch is a pure function of (manifests, weights, seed, s, B, L): the same
 on any number of devices or processes, and resuming needs only s. Each process
 builds only the rows its devices hold (`device_batch`), and a background
 thread prepares the next steps' rows while the current one runs.
+
+Any source may be a bucket URL (`s3://`, `gs://`, `memory://`): a shard set or a
+.npy there is read by byte ranges (data/remote_array.py), and since each row is
+then a network round trip, `BatchLoader` fetches the rows of a step from
+ROW_THREADS threads at once (the fsspec clients are thread-safe: their requests
+share one event loop). Rows come back in order, so batches are identical to a
+local copy's, bit for bit.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from shipyard import storage
 from shipyard.data.shards import open_shards
 from shipyard.errors import DataError
 
+ROW_THREADS = 16
+"""Rows fetched at once from a source in a bucket (each is one ranged GET: latency, not bandwidth)."""
+
 
 class SequenceSource:
-    """Random access to the (L+1)-token sequences of one token-shard directory or .npy file.
+    """Random access to the (L+1)-token sequences of one token-shard directory or .npy file, local or
+    in a bucket (a URL: a .npy when it ends in .npy, else a shard directory).
 
     A shard directory is checked against its manifest when opened: sizes always, sha256 with
     `verify` (data.verify; cached per user, see data/shards.py: open_shards). A .npy has no
     recorded hash to check against (data/tokens.py validates its dtype and ids)."""
 
     def __init__(self, path: str | Path, seq_len: int, vocab_size: int, verify: bool = True):
-        path = Path(path)
-        self.path, self.seq_len = path, seq_len
+        storage.check_scheme(path, "data")
+        remote = storage.is_url(path)
+        path = str(path) if remote else storage.local(path)
+        self.path, self.seq_len, self.remote = path, seq_len, remote
         self.eos_id: int | None = None
-        if path.is_dir():  # a token-shard directory; open_shards reports a missing manifest
+        if (remote and not path.endswith(".npy")) or (not remote and path.is_dir()):
+            # a token-shard directory; open_shards reports a missing manifest
             manifest, self.arrays = open_shards(path, verify=verify)
             self.eos_id = manifest["eos_id"]
             if manifest["vocab_size"] > vocab_size:
                 raise DataError(
-                    f"data: {path} was tokenized with a vocabulary of {manifest['vocab_size']}, larger than "
+                    f"data: {storage.redact(path)} was tokenized with a vocabulary of {manifest['vocab_size']}, larger than "
                     f"model.vocab_size={vocab_size}; set model.vocab_size={manifest['vocab_size']}"
                 )
         else:
@@ -58,7 +75,7 @@ class SequenceSource:
         self.length = (total - 1) // seq_len
         if self.length < 1:
             raise DataError(
-                f"data: {path} has {total} tokens, fewer than one sequence (data.seq_len + 1 = {seq_len + 1})"
+                f"data: {storage.redact(path)} has {total} tokens, fewer than one sequence (data.seq_len + 1 = {seq_len + 1})"
             )
 
     def __len__(self) -> int:
@@ -103,16 +120,24 @@ def training_dataset(sources: Sequence[SequenceSource], weights: Sequence[float]
 
 
 class BatchLoader:
-    """Rows of the global batch for any step; `rows(step, lo, hi)` builds only rows lo..hi-1."""
+    """Rows of the global batch for any step; `rows(step, lo, hi)` builds only rows lo..hi-1, from
+    `threads` threads at once when threads > 1 (sources in a bucket; in order either way)."""
 
-    def __init__(self, dataset, batch_size: int, seq_len: int, eos_id: int | None = None):
+    def __init__(self, dataset, batch_size: int, seq_len: int, eos_id: int | None = None, threads: int = 1):
         self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
-        self.eos_id = eos_id
+        self.eos_id, self.threads = eos_id, threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = os.getpid()
 
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
         hi = self.batch_size if hi is None else hi
         base = step * self.batch_size
-        return np.stack([self.dataset[base + r] for r in range(lo, hi)])
+        if self.threads <= 1 or hi - lo <= 1:
+            return np.stack([self.dataset[base + r] for r in range(lo, hi)])
+        if self._pool is None or self._pool_pid != os.getpid():  # a forked child has no pool threads
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shipyard-rows")
+            self._pool_pid = os.getpid()
+        return np.stack(list(self._pool.map(self.dataset.__getitem__, range(base + lo, base + hi))))
 
     def global_batch(self, step: int) -> np.ndarray:
         return self.rows(step)
@@ -132,7 +157,8 @@ def build_loader(
     eos = {s.eos_id for s in sources}
     # None: unknown (a .npy) or the sources disagree; document masking then needs data.eos_id
     eos_id = eos.pop() if len(eos) == 1 else None
-    return BatchLoader(training_dataset(sources, weights, seed), batch_size, seq_len, eos_id)
+    threads = ROW_THREADS if any(s.remote for s in sources) else 1  # local rows are memory copies
+    return BatchLoader(training_dataset(sources, weights, seed), batch_size, seq_len, eos_id, threads)
 
 
 def device_batch(loader, step: int, sharding) -> object:

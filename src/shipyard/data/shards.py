@@ -10,6 +10,12 @@ shard's byte size against the manifest always and its sha256 unless asked
 not to (`data.verify: false`), remembering digests per user so restarts do
 not re-hash (data/hashcache.py); `verify_shards` re-hashes everything. A
 flipped byte is caught before it reaches training.
+
+A shard set may also live in a bucket (`s3://`, `gs://`, `memory://` URLs):
+the manifest is read whole, each shard becomes a `RemoteArray`
+(data/remote_array.py) that reads the byte ranges the loader asks for and
+never copies the shard to local disk, checked against the manifest as a local
+shard is (its .npy header, and its size against header + token count).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shipyard.data.hashcache import file_sha256, sha256_files
+from shipyard import storage
+from shipyard.data.hashcache import file_sha256, sha256_files, url_sha256s
+from shipyard.data.remote_array import BlockCache, RemoteArray
 from shipyard.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -95,16 +103,31 @@ class ShardWriter:
 
 
 def read_manifest(shard_dir: str | Path) -> dict:
-    """manifest.json of a shard directory, its required fields and shard table checked."""
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(
-            f"token shards {shard_dir}: no {MANIFEST} (expected the output of `shipyard data tokenize`)"
-        )
+    """manifest.json of a shard directory (a local path or a bucket URL), its required fields and
+    shard table checked."""
+    if storage.is_url(shard_dir):
+        where = storage.redact(storage.join(shard_dir, MANIFEST))
+        if not storage.exists(str(storage.join(shard_dir, MANIFEST))):
+            raise DataError(
+                f"token shards {storage.redact(shard_dir)}: no {MANIFEST} (expected the output of "
+                "`shipyard data tokenize`)"
+            )
+        raw = storage.read_bytes(str(storage.join(shard_dir, MANIFEST)))
+    else:
+        path = storage.local(shard_dir) / MANIFEST
+        if not path.is_file():
+            raise DataError(
+                f"token shards {shard_dir}: no {MANIFEST} (expected the output of `shipyard data tokenize`)"
+            )
+        where, raw = path, path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"token shards {path}: not valid JSON ({e})") from e
+        raise DataError(f"token shards {where}: not valid JSON ({e})") from e
+    return _check_manifest(manifest, where)
+
+
+def _check_manifest(manifest, path) -> dict:
     if not isinstance(manifest, dict):
         raise DataError(f"token shards {path}: expected a JSON object, got {type(manifest).__name__}")
     missing = [k for k in ("vocab_size", "dtype", "eos_id", "shards") if k not in manifest]
@@ -146,37 +169,78 @@ def _open_shard(shard_dir: Path, dtype: str, shard: dict) -> np.ndarray:
             offset = f.tell()
     except (OSError, ValueError) as e:
         raise DataError(f"token shards {shard_dir}: {name} is not a readable .npy file ({e})") from e
-    if len(shape) != 1 or shape[0] != shard["tokens"] or got != np.dtype(dtype):
-        raise DataError(
-            f"token shards {shard_dir}: {name} holds {got} {shape}, manifest says {dtype} ({shard['tokens']},)"
-        )
-    size, expected = path.stat().st_size, offset + shard["tokens"] * got.itemsize
-    if size != expected:
-        raise DataError(
-            f"token shards {shard_dir}: {name} is {size} bytes, expected {expected} for its "
-            f"{shard['tokens']} tokens (truncated or appended to)"
-        )
+    _check_layout(shard_dir, shard, dtype, shape, got, offset, path.stat().st_size)
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
-def _check_hashes(shard_dir: Path, shards: list[dict], fresh: bool) -> None:
-    digests = sha256_files(shard_dir, [s["file"] for s in shards], fresh=fresh)
+def _check_layout(where, shard: dict, dtype: str, shape, got: np.dtype, offset: int, size: int) -> None:
+    """A shard's header against its manifest entry, and its byte size against header + tokens."""
+    name = shard["file"]
+    if len(shape) != 1 or shape[0] != shard["tokens"] or got != np.dtype(dtype):
+        raise DataError(
+            f"token shards {where}: {name} holds {got} {shape}, manifest says {dtype} ({shard['tokens']},)"
+        )
+    expected = offset + shard["tokens"] * got.itemsize
+    if size != expected:
+        raise DataError(
+            f"token shards {where}: {name} is {size} bytes, expected {expected} for its "
+            f"{shard['tokens']} tokens (truncated or appended to)"
+        )
+
+
+def _open_remote_shard(shard_dir: str, dtype: str, shard: dict, cache: BlockCache) -> RemoteArray:
+    """One shard in a bucket as a RemoteArray (its size and .npy header read, nothing else), checked
+    against its manifest entry as `_open_shard` checks a local one."""
+    where, name = storage.redact(shard_dir), shard["file"]
+    url = str(storage.join(shard_dir, name))
+    try:
+        array = RemoteArray(url, cache)
+    except storage.StorageError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise DataError(f"token shards {where}: {name} is missing (the manifest lists it)") from e
+        raise
+    except ValueError as e:
+        raise DataError(f"token shards {where}: {name} is not a readable .npy file ({e})") from e
+    _check_layout(where, shard, dtype, array.shape, array.dtype, array.offset, array.object_size)
+    return array
+
+
+def _check_hashes(shard_dir: str | Path, shards: list[dict], fresh: bool) -> None:
+    names = [s["file"] for s in shards]
+    if storage.is_url(shard_dir):
+        digests, where = url_sha256s(str(shard_dir), names, fresh=fresh), storage.redact(shard_dir)
+    else:
+        digests, where = sha256_files(shard_dir, names, fresh=fresh), shard_dir
     for shard in shards:
-        digest = digests[shard["file"]]
+        digest = digests.get(shard["file"])
         if digest != shard["sha256"]:
             raise DataError(
-                f"token shards {shard_dir}: {shard['file']} is corrupt (sha256 {digest[:12]}..., "
+                f"token shards {where}: {shard['file']} is corrupt (sha256 {digest[:12]}..., "
                 f"manifest says {shard['sha256'][:12]}...); re-create the shards with `shipyard data tokenize`"
             )
 
 
-def open_shards(shard_dir: str | Path, verify: bool = True) -> tuple[dict, list[np.ndarray]]:
-    """The manifest and each shard memory-mapped, checked against the manifest first: sizes always,
-    and with `verify` each shard's sha256 (remembered in the per-user hash cache, so an unchanged
-    shard is hashed once: see data/hashcache.py). A DataError names the first bad shard."""
-    shard_dir = Path(shard_dir)
+def _open_all(shard_dir: str | Path, manifest: dict) -> list:
+    if storage.is_url(shard_dir):
+        cache = BlockCache()  # one bounded cache for the whole set, however many shards it has
+        return [_open_remote_shard(str(shard_dir), manifest["dtype"], s, cache) for s in manifest["shards"]]
+    return [_open_shard(storage.local(shard_dir), manifest["dtype"], s) for s in manifest["shards"]]
+
+
+def open_shards(shard_dir: str | Path, verify: bool = True) -> tuple[dict, list]:
+    """The manifest and each shard memory-mapped (a RemoteArray for a bucket URL), checked against the
+    manifest first: sizes always, and with `verify` each shard's sha256 (remembered in the per-user
+    hash cache, so an unchanged shard is hashed once: see data/hashcache.py). A DataError names the
+    first bad shard.
+
+    What a bucket costs: opening reads the manifest, one HEAD and one ranged GET (the header) per shard.
+    Verifying streams every shard's bytes once through sha256 (ranged GETs of 8 MiB, nothing on disk:
+    the whole set crosses the network once, at the store's streaming rate); later opens of unchanged
+    shards cost one more HEAD each (size and ETag match the cache)."""
+    if not storage.is_url(shard_dir):
+        shard_dir = storage.local(shard_dir)
     manifest = read_manifest(shard_dir)
-    arrays = [_open_shard(shard_dir, manifest["dtype"], s) for s in manifest["shards"]]
+    arrays = _open_all(shard_dir, manifest)
     if verify:
         _check_hashes(shard_dir, manifest["shards"], fresh=False)
     return manifest, arrays
@@ -185,10 +249,11 @@ def open_shards(shard_dir: str | Path, verify: bool = True) -> tuple[dict, list[
 def verify_shards(shard_dir: str | Path) -> dict:
     """Check every shard's size and sha256 against the manifest, hashing every shard afresh (the
     cache is refreshed, not trusted: this is the check for corruption the file's stat cannot show);
-    raise naming the first bad shard."""
-    shard_dir = Path(shard_dir)
+    raise naming the first bad shard. For a bucket URL this streams every shard once (see
+    open_shards for the cost)."""
+    if not storage.is_url(shard_dir):
+        shard_dir = storage.local(shard_dir)
     manifest = read_manifest(shard_dir)
-    for shard in manifest["shards"]:
-        _open_shard(shard_dir, manifest["dtype"], shard)
+    _open_all(shard_dir, manifest)
     _check_hashes(shard_dir, manifest["shards"], fresh=True)
     return manifest
