@@ -210,3 +210,19 @@ def test_training_from_bucket_shards_matches_the_local_copy(tokenized, bucket, t
     for p in (tmp_path / "remote").rglob("*"):
         if p.is_file():
             assert SECRET_KEY.encode() not in p.read_bytes(), p
+
+
+def test_a_token_npy_in_a_bucket_reads_as_the_local_file(byte_tokens, bucket):
+    url = f"{bucket}/tokens.npy"
+    storage.write_bytes(url, byte_tokens.read_bytes())
+    local, remote = SequenceSource(byte_tokens, 64, 512), SequenceSource(url, 64, 512)
+    assert len(remote) == len(local) and remote.remote
+    for i in (0, 7, len(local) - 1):
+        assert np.array_equal(remote[i], local[i])
+    with pytest.raises(
+        DataError, match=r"tokens.npy has token id \d+ at position \d+, outside model.vocab_size=100"
+    ):
+        SequenceSource(url, 64, 100)  # the ids are checked as for a local file (streamed once)
+    storage.write_bytes(url, byte_tokens.read_bytes()[:-3])
+    with pytest.raises(DataError, match="tokens.npy is .* bytes, expected .*truncated"):
+        SequenceSource(url, 64, 512)
