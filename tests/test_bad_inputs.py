@@ -319,6 +319,7 @@ CASES = [
     C("launch devices", lambda t, w: ["launch", "--processes", "2", "--devices-per-process", "0", "tiny"], CONFIG, "--devices-per-process"),
     C("serve tokens per call", lambda t, w: ["serve", str(w.run), "--tokens-per-call", "0"], CONFIG, "--tokens-per-call"),
     C("eval task file", lambda t, w: ["eval", str(w.run), "--task", f"mc:{_write(t / 'mc.jsonl', '{oops')}"], DATA, "mc.jsonl"),
+    C("run url unpublished", lambda t, w: ["generate", "memory://shipyard-none/runs/x", "--prompt", "a"], RUNDIR, "holds no published run"),
 ]
 # fmt: on
 

@@ -254,8 +254,8 @@ def redact_arg(arg: str) -> str:
     """A command-line word with any URL in it redacted (`--run-dir=s3://...`, `data.train_tokens=gs://...`)."""
     if "://" not in arg:
         return arg
-    key, sep, value = arg.rpartition("=")
-    return f"{key}{sep}{redact(value)}" if sep and "://" in value else redact(arg)
+    key, sep, value = arg.partition("=")  # the first '=': a URL's query has more
+    return f"{key}{sep}{redact(value)}" if sep and "://" not in key else redact(arg)
 
 
 def _redacted(obj):
