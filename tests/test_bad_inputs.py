@@ -236,6 +236,9 @@ CASES = [
     C("stage setting", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--set", "threshold=2"], CONFIG, "threshold"),
     C("tiny vocab", lambda t, w: ["data", "tokenizer-train", str(w.docs), "--out", str(t / "o"), "--set", "vocab_size=10"], CONFIG, "vocab_size"),
     C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "exists"),
+    C("input scheme", lambda t, w: ["data", "filter", "htp://bucket/docs.jsonl", "--out", str(t / "o")], DATA, "scheme 'htp'"),
+    C("missing input object", lambda t, w: ["data", "filter", "memory://shipyard-bad/none.jsonl", "--out", str(t / "o")], DATA, "none.jsonl: no such object or prefix"),
+    C("unpublished input prefix", lambda t, w: ["data", "dedup", _half_published(), "--out", str(t / "o")], DATA, "not a complete stage output (no _success)"),
     C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
     C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none"),
     C("float tokens", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.zeros(4096, np.float32))}"), DATA, "t.npy"),
@@ -322,6 +325,16 @@ CASES = [
     C("run url unpublished", lambda t, w: ["generate", "memory://shipyard-none/runs/x", "--prompt", "a"], RUNDIR, "holds no published run"),
 ]
 # fmt: on
+
+
+def _half_published() -> str:
+    """A stage output prefix whose publication was cut off: its tag and a part, no marker (memory://)."""
+    from shipyard import storage
+
+    url = "memory://shipyard-bad/half"
+    storage.write_bytes(f"{url}/_SHIPYARD_STAGE", b"{}")
+    storage.write_bytes(f"{url}/part-00000.jsonl", b'{"text": "a"}\n')
+    return url
 
 
 def _npy(t: Path, array: np.ndarray) -> Path:

@@ -290,3 +290,48 @@ def test_shards_written_to_a_bucket_match_their_manifest(bucket, tmp_path):
     for shard in manifest["shards"]:
         data = storage.read_bytes(f"{out}/{shard['file']}")
         assert np.load(io.BytesIO(data)).shape == (shard["tokens"],)
+
+
+def test_a_stream_cut_mid_file_is_retried_or_fails_in_one_line(
+    bucket, tmp_path, s3_server, monkeypatch, capsys
+):
+    from shipyard.data import sources
+    from shipyard.storage import Retry
+
+    docs = write_jsonl(tmp_path / "d.jsonl", [prose(s, 100) for s in range(60)])
+    _upload(tmp_path, f"{bucket}/in")
+    argv = ["data", "filter", f"{bucket}/in/d.jsonl", "--workers", "1"]
+    assert main([*argv, "--out", f"{bucket}/direct"]) == 0
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 4096)  # the file is read in ~10 ranged GETs
+    monkeypatch.setattr(sources, "READ_RETRY", Retry(attempts=3, first_delay=0.3, max_delay=0.6))
+    real = sources.RemoteFile.readinto
+    proxy = FaultProxy(s3_server.port)
+    cut = {"after": 3, "reads": 0, "seconds": 0.5}
+
+    def read_then_cut(self, buffer):
+        n = real(self, buffer)
+        cut["reads"] += 1
+        if cut["reads"] == cut["after"]:
+            proxy.outage(cut["seconds"])  # open connections cut, new ones refused for a while
+        return n
+
+    monkeypatch.setattr(sources.RemoteFile, "readinto", read_then_cut)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        # a short outage mid-file: the next ranged GET is retried and the output is the same
+        assert main([*argv, "--out", f"{bucket}/cut"]) == 0
+        assert cut["reads"] > cut["after"] + 3 and len(docs.read_bytes()) > 8 * 4096
+        # an outage past the retries: one line naming the object and the byte range, nothing published
+        import s3fs
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries would ride out a minute
+        cut.update(reads=0, seconds=60)
+        capsys.readouterr()
+        assert main([*argv, "--out", f"{bucket}/failed"]) == 3
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"reading {bucket}/in/d.jsonl bytes" in err and "after 3 tries" in err
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    assert not storage.list_files(f"{bucket}/failed")
+    _compare({"f": f"{bucket}/direct"}, {"f": f"{bucket}/cut"}, bucket, bucket, tmp_path)

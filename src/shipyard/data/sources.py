@@ -24,7 +24,9 @@ from shipyard.errors import DataError
 STAGE_TAG = "_SHIPYARD_STAGE"
 """Written first into a stage output prefix, before any other object; its marker is written last."""
 BLOCK_BYTES = 8 << 20
-"""One ranged GET; big enough that per-request latency is small next to the transfer."""
+"""The most one ranged GET asks for; big enough that per-request latency is small next to the transfer."""
+READ_RETRY = storage.DEFAULT_RETRY
+"""How hard each ranged GET is retried (a module setting, so tests can shorten it)."""
 
 Location = str | Path
 """A local file (Path) or a remote object (its URL, a str)."""
@@ -62,7 +64,7 @@ class RemoteFile(io.RawIOBase):
 
     def __init__(self, url: str):
         super().__init__()
-        self._reader = storage.RangeReader(url)
+        self._reader = storage.RangeReader(url, READ_RETRY)
         self._pos = 0
 
     def readable(self) -> bool:
@@ -80,7 +82,8 @@ class RemoteFile(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
-        end = min(self._pos + len(buffer), self._reader.size)
+        # a short read is fine for a raw file: BufferedReader asks again until it has what it needs
+        end = min(self._pos + len(buffer), self._pos + BLOCK_BYTES, self._reader.size)
         if end <= self._pos:
             return 0
         data = self._reader.read(self._pos, end)
