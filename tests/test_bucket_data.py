@@ -335,3 +335,35 @@ def test_a_stream_cut_mid_file_is_retried_or_fails_in_one_line(
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     assert not storage.list_files(f"{bucket}/failed")
     _compare({"f": f"{bucket}/direct"}, {"f": f"{bucket}/cut"}, bucket, bucket, tmp_path)
+
+
+def test_prepare_in_a_bucket_skips_what_is_published_and_redoes_a_cut_off_stage(bucket, tmp_path, capsys):
+    raw = tmp_path / "in"
+    raw.mkdir()
+    write_jsonl(raw / "a.jsonl", [prose(s, 120) for s in range(12)] + [prose(2, 120), "too short"])
+    _upload(raw, f"{bucket}/in")
+    out = f"{bucket}/prepared"
+    cfg = tmp_path / "prepare.yaml"
+    cfg.write_text(
+        f"inputs: [{bucket}/in]\nout: {out}\nworkers: 1\nfilter: {{min_words: 50}}\n"
+        "tokenizer: {vocab_size: 300}\ntokenize: {shard_tokens: 1000}\n"
+    )
+    stages = ["01-filter", "02-dedup", "03-tokenizer", "04-tokenize-train"]
+    assert main(["data", "prepare", str(cfg)]) == 0
+    first = capsys.readouterr().out
+    assert all(storage.is_published(f"{out}/{s}") for s in stages) and "done already" not in first
+    summary = json.loads(storage.read_bytes(f"{out}/prepare.json"))
+    assert (
+        summary["train_shards"] == f"{out}/04-tokenize-train"
+        and summary["tokenizer"] == f"{out}/03-tokenizer"
+    )
+    assert main(["data", "prepare", str(cfg)]) == 0
+    assert capsys.readouterr().out.count("done already") == len(stages)
+    # dedup's marker gone (as if its upload was cut off): dedup and everything after it are redone
+    storage.remove(f"{out}/02-dedup/_SUCCESS")
+    assert main(["data", "prepare", str(cfg)]) == 0
+    again = capsys.readouterr().out
+    assert "[01-filter] done already" in again and "[02-dedup] " + out in again
+    assert "was not published completely; redoing it" in again and again.count("done already") == 1
+    assert storage.is_published(f"{out}/02-dedup")
+    _no_secret(tmp_path, text=first + again)

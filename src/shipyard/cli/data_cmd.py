@@ -140,6 +140,7 @@ def _cmd_data_classify(args) -> int:
 
 
 def _cmd_data_prepare(args) -> int:
+    from shipyard import storage
     from shipyard.data.configs import load_prepare_config
     from shipyard.data.prepare import run_prepare
 
@@ -149,7 +150,7 @@ def _cmd_data_prepare(args) -> int:
     if "validation_shards" in summary:
         print(f"validation shards: {summary['validation_shards']}")
     print(f"tokenizer: {summary['tokenizer']}")
-    print(f"summary: {Path(cfg.out) / 'prepare.json'} ({summary['seconds']:.1f} s)")
+    print(f"summary: {storage.redact(storage.join(cfg.out, 'prepare.json'))} ({summary['seconds']:.1f} s)")
     return 0
 
 

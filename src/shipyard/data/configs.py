@@ -290,7 +290,9 @@ def load_prepare_config(path: str | Path, sets: list[str] = ()) -> PrepareConfig
     base = path.resolve().parent
 
     def resolve(p):
-        return p if not isinstance(p, str) or Path(p).is_absolute() else os.path.normpath(base / p)
+        if not isinstance(p, str) or "://" in p or Path(p).is_absolute():  # URLs are never relative
+            return p
+        return os.path.normpath(base / p)
 
     for key in ("inputs", "validation_inputs"):
         if isinstance(data.get(key), list):

@@ -9,6 +9,10 @@ with the same inputs and config is skipped, so rerunning after a failure
 picks up where it stopped. A complete stage with a different config is
 refused unless --overwrite: nothing is silently replaced. (The content-
 addressed pipeline of `shipyard run` generalises this.)
+
+`out` may be a URL: each stage is then published under it (see
+`stage.stage_output`), complete only once its `_SUCCESS` marker is there; a
+stage whose publication was cut off is redone on the next run.
 """
 
 from __future__ import annotations
@@ -19,49 +23,61 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from shipyard import storage
 from shipyard.data.configs import PrepareConfig
-from shipyard.data.stage import config_record, default_workers
+from shipyard.data.stage import config_record, default_workers, output_exists
 from shipyard.errors import DataError
 from shipyard.output import write_json
 
 
-def _status(out: Path, inputs: list[str], record: dict) -> str:
-    """'new', 'done' or 'changed' for a stage directory (stale: done, but upstream reran)."""
-    stats = out / "stats.json"
-    if not out.exists():
+def _read_stats(out: str | Path) -> dict:
+    if storage.is_url(out):
+        return json.loads(storage.read_bytes(str(storage.join(out, "stats.json"))))
+    return json.loads((Path(out) / "stats.json").read_text())
+
+
+def _status(out: str | Path, inputs: list[str], record: dict) -> str:
+    """'new', 'done', 'changed' or (a URL whose publication was cut off) 'interrupted' for a stage
+    output (stale: done, but upstream reran)."""
+    if storage.is_url(out) and not storage.is_published(str(out)):
+        return "interrupted" if output_exists(str(out)) else "new"
+    if not storage.is_url(out) and not Path(out).exists():
         return "new"
     try:
-        old = json.loads(stats.read_text())
-    except (OSError, json.JSONDecodeError):
+        old = _read_stats(out)
+    except (OSError, json.JSONDecodeError, storage.StorageError):
         return "changed"
-    return "done" if old.get("config") == record and old.get("inputs") == inputs else "changed"
+    same_inputs = old.get("inputs") == [storage.redact(i) for i in inputs]
+    return "done" if old.get("config") == record and same_inputs else "changed"
 
 
 class _Chain:
     """The stages of one `data prepare` run, numbered in order; each is skipped when its output holds
     the same inputs and config, and once one reruns everything after it reruns too."""
 
-    def __init__(self, out: Path, overwrite: bool, log: Callable[[str], None]):
+    def __init__(self, out: str | Path, overwrite: bool, log: Callable[[str], None]):
         self.out, self.overwrite, self.log = out, overwrite, log
-        self.summary: dict = {"out": str(out), "stages": {}}
+        self.summary: dict = {"out": storage.redact(out), "stages": {}}
         self.rerun, self.count = False, 0
 
     def stage(self, name: str, inputs: list[str], record: dict, run: Callable[[Path, bool], dict]) -> str:
         self.count += 1
         name = f"{self.count:02d}-{name}"
-        target = self.out / name
+        target = storage.join(self.out, name)
         status = _status(target, inputs, record)
         if status == "done" and self.rerun:
             status = "stale"
         if status == "done":
-            self.log(f"[{name}] done already: {target}")
-            result = json.loads((target / "stats.json").read_text())
+            self.log(f"[{name}] done already: {storage.redact(target)}")
+            result = _read_stats(target)
         elif status == "changed" and not self.overwrite:
             raise DataError(
-                f"data prepare: {target} holds a stage run with other inputs or config; "
+                f"data prepare: {storage.redact(target)} holds a stage run with other inputs or config; "
                 "pass --overwrite to redo it (and everything after it) or choose another out"
             )
         else:
+            if status == "interrupted":  # a cut-off publication is no one's result: replaced without asking
+                self.log(f"[{name}] {storage.redact(target)} was not published completely; redoing it")
             result = run(target, status != "new")
             self.rerun = True
             self.log(f"[{name}] {describe(result)}")
@@ -96,7 +112,9 @@ def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str]
     from shipyard.data.tokenizer import run_tokenizer_train, tokenizer_record
 
     workers = cfg.workers or default_workers()
-    chain = _Chain(Path(cfg.out), overwrite, log)
+    storage.check_scheme(cfg.out, "data prepare: out")
+    out = cfg.out if storage.is_url(cfg.out) else storage.local(cfg.out)
+    chain = _Chain(out, overwrite, log)
     started = time.time()
     current = list(cfg.inputs)
     for name, fn in _document_stages():
@@ -144,7 +162,11 @@ def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str]
         )
     summary["tokenizer"] = tokenizer
     summary["seconds"] = round(time.time() - started, 3)
-    write_json(Path(cfg.out) / "prepare.json", summary)
+    summary_json = json.dumps(summary, indent=2) + "\n"
+    if storage.is_url(out):
+        storage.write_bytes(str(storage.join(out, "prepare.json")), summary_json.encode())
+    else:
+        write_json(out / "prepare.json", summary)
     return summary
 
 
