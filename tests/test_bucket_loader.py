@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +227,30 @@ def test_a_token_npy_in_a_bucket_reads_as_the_local_file(byte_tokens, bucket):
     storage.write_bytes(url, byte_tokens.read_bytes()[:-3])
     with pytest.raises(DataError, match="tokens.npy is .* bytes, expected .*truncated"):
         SequenceSource(url, 64, 512)
+
+
+def test_shards_a_killed_tokenize_was_still_publishing_are_refused(tokenized, bucket):
+    from shipyard.data.stage import publish_output
+
+    root, url = tokenized.parent, f"{bucket}/killed"
+    argv = [sys.executable, "-m", "shipyard.cli.main", "data", "tokenize", str(root / "docs.jsonl")]
+    argv += ["--out", url, "--tokenizer", str(root / "tok"), "--set", "shard_tokens=40", "--workers", "1"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while proc.poll() is None and not storage.exists(f"{url}/manifest.json"):
+            time.sleep(0.005)
+        proc.kill()  # SIGKILL mid-upload: the manifest is up (it sorts first), shards are going up
+    finally:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -9, f"tokenize ended on its own ({proc.returncode}): {err.decode()[-500:]}"
+    assert not storage.is_published(url)
+    with pytest.raises(DataError, match=f"token shards {url}: not a complete stage output"):
+        SequenceSource(url, 32, 320)
+
+    # a publication cut between its last shard and its marker: every shard there, still refused
+    complete = f"{bucket}/complete"
+    publish_output(tokenized, complete, "tokenize")
+    assert len(_batches(complete, steps=range(1))) == 1
+    storage.remove(f"{complete}/{storage.MARKER}")
+    with pytest.raises(DataError, match="not a complete stage output"):
+        SequenceSource(complete, 32, 320)

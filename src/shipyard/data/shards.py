@@ -28,6 +28,7 @@ import numpy as np
 from shipyard import storage
 from shipyard.data.hashcache import file_sha256, sha256_files, url_sha256s
 from shipyard.data.remote_array import BlockCache, RemoteArray
+from shipyard.data.sources import STAGE_TAG
 from shipyard.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -112,6 +113,7 @@ def read_manifest(shard_dir: str | Path) -> dict:
                 f"token shards {storage.redact(shard_dir)}: no {MANIFEST} (expected the output of "
                 "`shipyard data tokenize`)"
             )
+        _check_published(str(shard_dir))
         raw = storage.read_bytes(str(storage.join(shard_dir, MANIFEST)))
     else:
         path = storage.local(shard_dir) / MANIFEST
@@ -125,6 +127,16 @@ def read_manifest(shard_dir: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"token shards {where}: not valid JSON ({e})") from e
     return _check_manifest(manifest, where)
+
+
+def _check_published(url: str) -> None:
+    """Refuse shards a stage was still publishing (its tag is written first, its marker last): a
+    tokenize killed mid-upload leaves a manifest whose shards may be missing or from an older run."""
+    if storage.exists(str(storage.join(url, STAGE_TAG))) and not storage.is_published(url):
+        raise DataError(
+            f"token shards {storage.redact(url)}: not a complete stage output (no {storage.MARKER}): "
+            "its publication was interrupted; rerun `shipyard data tokenize`"
+        )
 
 
 def _check_manifest(manifest, path) -> dict:
