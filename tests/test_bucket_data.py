@@ -367,3 +367,25 @@ def test_prepare_in_a_bucket_skips_what_is_published_and_redoes_a_cut_off_stage(
     assert "was not published completely; redoing it" in again and again.count("done already") == 1
     assert storage.is_published(f"{out}/02-dedup")
     _no_secret(tmp_path, text=first + again)
+
+
+WORKERS_AFTER_ENV_CHANGE = """
+import json, os, sys
+from shipyard.cli.main import main
+local, url, env = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# the first pool starts the fork server, with no storage settings in the environment yet
+assert main(["data", "filter", local, "--out", local + ".out", "--workers", "2"]) == 0
+os.environ.update(env)  # then the user's settings arrive (a notebook, a wrapper script)
+sys.exit(main(["data", "filter", url, "--out", url + ".out", "--workers", "2"]))
+"""
+
+
+def test_pool_workers_use_the_storage_settings_of_now(bucket, tmp_path, s3_env):
+    from s3_fixtures import without_aws_env
+
+    docs = write_jsonl(tmp_path / "d.jsonl", [prose(s, 80) for s in range(8)])
+    _upload(tmp_path, f"{bucket}/in")
+    script = [sys.executable, "-c", WORKERS_AFTER_ENV_CHANGE, str(docs), f"{bucket}/in", json.dumps(s3_env)]
+    done = subprocess.run(script, env=without_aws_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert storage.is_published(f"{bucket}/in.out") and SECRET_KEY not in done.stdout + done.stderr
