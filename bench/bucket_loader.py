@@ -18,7 +18,9 @@ Tokens/s counts B x L tokens per step, as training throughput does. The `small` 
 is bench/results/train_throughput.json's `shipyard_tokens_per_s` (that bench trains the small
 preset's shape) unless `--measure-small N` runs `shipyard train small` on the local shards for N
 steps here. The acceptance is bucket >= 20x small's consumption. moto_server is a Python server on
-the same 2 cores as the loader, so these numbers are a floor for a real store's.
+the same 2 cores as the loader (`bucket_server_cpu_fraction` / `bucket_client_cpu_fraction`: CPU
+seconds per wall second of each end during the `bucket` variant), so these numbers are a floor for
+a real store's.
 
     .venv/bin/python bench/bucket_loader.py [--steps 100] [--measure-small 0] [--out bench/results/bucket_loader.json]
 """
@@ -73,6 +75,12 @@ def start_moto() -> tuple[subprocess.Popen, str]:
         AWS_ENDPOINT_URL=endpoint,
     )
     return proc, endpoint
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_shards(out: Path, shard_tokens: int) -> dict:
@@ -167,7 +175,7 @@ def main() -> None:
             t = time.perf_counter()
             open_shards(url, verify=True)
             verify_s = time.perf_counter() - t
-            result = run_variants(url, tmp / "shards", args.steps)
+            result = run_variants(url, tmp / "shards", args.steps, proc.pid)
             small = small_consumption(args.measure_small, tmp / "shards", tmp)
     finally:
         proc.terminate()
@@ -194,7 +202,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list | dict)}, indent=2))
 
 
-def run_variants(url: str, local: Path, steps: int) -> dict:
+def run_variants(url: str, local: Path, steps: int, server_pid: int) -> dict:
     out = {}
     for name, path, threads in (
         ("bucket", url, None),
@@ -206,9 +214,14 @@ def run_variants(url: str, local: Path, steps: int) -> dict:
         )
         if threads is not None:
             loader.threads = threads
+        server, client, wall = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
         timed = time_rows(loader.rows, steps)
         out[f"{name}_tokens_per_s"] = timed["tokens_per_s"]
         out[f"{name}_rounds_tokens_per_s"] = timed["rounds_tokens_per_s"]
+        if name == "bucket":  # where the time goes: both ends share the machine's cores
+            wall = time.perf_counter() - wall
+            out["bucket_server_cpu_fraction"] = (cpu_seconds(server_pid) - server) / wall
+            out["bucket_client_cpu_fraction"] = (time.process_time() - client) / wall
     src = SequenceSource(url, SEQ, VOCAB, verify=False)
     got = scan(src, 20_000)  # 10 MB: ten blocks
     out["scan_cache_tokens_per_s"], out["scan_cache_requests_per_row"] = (
