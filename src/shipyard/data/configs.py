@@ -48,6 +48,18 @@ class ExtractConfig(Schema):
     """Render list items with bullets."""
     min_chars: int = Field(1, ge=0)
     """Drop documents whose extracted text has fewer characters (counted as empty_after_extraction)."""
+    drop_page_chrome: bool = True
+    """Before extraction, remove what the page marks as chrome: <nav>, role=navigation/search/contentinfo, aria-hidden="true", hidden, and <footer> outside an article/section/main (also applies with main_content off)."""
+    strip_anchor_ids: bool = True
+    """Before extraction, remove the ids of sections, headings and blocks whose id is their heading's slug: they come from heading text, and main_content drops blocks whose id reads like boilerplate (the Python docs lost "New Features Related to Type Hints")."""
+    keep_notes: bool = True
+    """Keep <aside> notes and footnotes (role note / doc-footnote / doc-endnotes, or an aside holding only those) as text: main_content drops every <aside>, which took all 121 footnotes of the Python docs."""
+    list_link_fraction: float | None = Field(0.5, ge=0, le=1)
+    """Lists with at most this fraction of link text are prose citing names: their links become plain text before main_content runs, which drops lists above about 20% link text as menus. Null turns this off."""
+    table_rows: bool = True
+    """Write each data table as one line per row, cells joined by table_separator (resiliparse alone gives every cell its own paragraph); tables holding tables (layout) and tables that are mostly link text (indexes) are left to resiliparse."""
+    table_separator: str = Field(" | ", min_length=1, pattern=r"^[^\n]*$")
+    """Between the cells of a row when table_rows is on."""
 
 
 class FilterConfig(Schema):

@@ -1,7 +1,11 @@
 """HTML → main-content text with resiliparse (the `extract` stage).
 
 resiliparse's main-content mode drops navigation, headers, footers, script and
-style, and keeps the article text with paragraph breaks. Documents that are
+style, and keeps the article text with paragraph breaks. Before it runs,
+`html_structure` removes what the page itself marks as navigation or hidden,
+takes heading-derived ids out of the heuristic's sight, keeps footnotes and
+prose lists that cite names as links, and writes data tables as one line per
+row (each step an `ExtractConfig` switch). Documents that are
 not HTML (no tag at all) pass through unchanged, so a mixed input works.
 """
 
@@ -24,10 +28,25 @@ def _init(cfg: ExtractConfig) -> None:
 
 
 def html_to_text(html: str, cfg: ExtractConfig) -> str:
+    """The page's text: structural clean-up (html_structure, per cfg), then resiliparse."""
     from resiliparse.extract.html2text import extract_plain_text
+    from resiliparse.parse.html import HTMLTree
 
+    from shipyard.data import html_structure
+
+    tree = HTMLTree.parse(html)
+    if cfg.drop_page_chrome:
+        html_structure.drop_page_chrome(tree)
+    if cfg.strip_anchor_ids:
+        html_structure.strip_anchor_ids(tree)
+    if cfg.keep_notes:
+        html_structure.keep_notes(tree)
+    if cfg.list_link_fraction is not None:
+        html_structure.unwrap_list_links(tree, cfg.list_link_fraction, cfg.links)
+    if cfg.table_rows:
+        html_structure.render_tables(tree, cfg.table_separator, cfg.alt_texts, cfg.links)
     return extract_plain_text(
-        html,
+        tree,
         main_content=cfg.main_content,
         alt_texts=cfg.alt_texts,
         links=cfg.links,
