@@ -234,6 +234,7 @@ CASES = [
     C("malformed documents", lambda t, w: ["data", "filter", str(_write(t / "d.jsonl", "{oops\n[1]\n")), "--out", str(t / "o")], DATA, "d.jsonl"),
     C("text field", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--text-field", "body"], DATA, "body"),
     C("stage setting", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--set", "threshold=2"], CONFIG, "threshold"),
+    C("extract setting", lambda t, w: ["data", "extract", str(w.docs), "--out", str(t / "o"), "--set", "list_link_fraction=1.5"], CONFIG, "list_link_fraction"),
     C("tiny vocab", lambda t, w: ["data", "tokenizer-train", str(w.docs), "--out", str(t / "o"), "--set", "vocab_size=10"], CONFIG, "vocab_size"),
     C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "exists"),
     C("input scheme", lambda t, w: ["data", "filter", "htp://bucket/docs.jsonl", "--out", str(t / "o")], DATA, "scheme 'htp'"),
