@@ -266,7 +266,7 @@ def test_a_tokenizer_url_is_fetched_once_and_checked_against_its_marker(bucket, 
         load_tokenizer(tok)
 
 
-def test_shards_written_to_a_bucket_match_their_manifest(bucket, tmp_path):
+def test_shards_written_to_a_bucket_match_their_manifest(bucket, tmp_path, capsys):
     docs = write_jsonl(tmp_path / "d.jsonl", [prose(s, 80) for s in range(20)])
     assert (
         main(
@@ -292,6 +292,8 @@ def test_shards_written_to_a_bucket_match_their_manifest(bucket, tmp_path):
     for shard in manifest["shards"]:
         data = storage.read_bytes(f"{out}/{shard['file']}")
         assert np.load(io.BytesIO(data)).shape == (shard["tokens"],)
+    assert main(["data", "verify", out]) == 0
+    assert f"documents match {out}/manifest.json" in capsys.readouterr().out
 
 
 def test_a_stream_cut_mid_file_is_retried_or_fails_in_one_line(

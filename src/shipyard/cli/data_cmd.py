@@ -155,12 +155,13 @@ def _cmd_data_prepare(args) -> int:
 
 
 def _cmd_data_verify(args) -> int:
+    from shipyard import storage
     from shipyard.data.shards import verify_shards
 
     manifest = verify_shards(args.shards)
     print(
         f"ok: {len(manifest['shards'])} shard(s), {manifest['tokens']:,} tokens, "
-        f"{manifest['documents']:,} documents match {args.shards / 'manifest.json'}"
+        f"{manifest['documents']:,} documents match {storage.redact(storage.join(args.shards, 'manifest.json'))}"
     )
     return 0
 
@@ -277,5 +278,5 @@ def register(sub) -> None:
     pr.set_defaults(func=_cmd_data_prepare)
 
     ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
-    ve.add_argument("shards", type=Path, help="token shard directory")
+    ve.add_argument("shards", type=location, help="token shard directory (or its URL)")
     ve.set_defaults(func=_cmd_data_verify)
