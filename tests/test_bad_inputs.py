@@ -243,6 +243,7 @@ CASES = [
     C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
     C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none"),
     C("float tokens", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.zeros(4096, np.float32))}"), DATA, "t.npy"),
+    C("tokens scheme", lambda t, w: _train(t, "data.train_tokens=htp://b/shards", "model.vocab_size=320"), DATA, "data: htp://b/shards has scheme 'htp'"),
     C("ids past vocab", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.full(4096, 900, np.int32))}"), DATA, "vocab"),
     C("vocab below tokenizer", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=100"), DATA, "vocab"),
     # shard directories and manifests
