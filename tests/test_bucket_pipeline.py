@@ -3,11 +3,17 @@ their marker last, done iff the marker is in the bucket, upstream outputs fetche
 killed upload redone, reproduce from and to a bucket, no credentials in anything written."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from importlib import resources
 
 import pytest
 import yaml
-from s3_fixtures import SECRET_KEY
+from s3_fixtures import SECRET_KEY, FaultProxy
 
 from shipyard import storage
 from shipyard.cli.main import main
@@ -132,3 +138,87 @@ def test_bucket_roots_refused_in_one_line_before_anything_runs(bucket, tmp_path,
     with pytest.raises(ConfigError, match="run --ray: the root s3://.* is a bucket"):
         run_pipeline(path, root=f"{bucket}/p", ray_address="local", log=lambda m: None)
     assert storage.list_files(bucket) == []
+
+
+def test_reproduce_from_and_into_a_bucket(bucket, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _pipeline(tmp_path)
+    planned = {p.step.name: p for p in run_pipeline(path, root=f"{bucket}/p", log=lambda m: None)}
+    capsys.readouterr()
+    assert main(["reproduce", planned["dedup"].url, "--root", f"{bucket}/again"]) == 0
+    assert "reproduce: 2 of 2 steps identical" in capsys.readouterr().out
+    assert storage.is_published(f"{bucket}/again/steps/dedup-{planned['dedup'].hash}")
+    assert storage.read_bytes(f"{bucket}/again/pipeline.yaml").startswith(b"root: s3://")
+    assert main(["reproduce", planned["dedup"].url, "--root", f"{bucket}/again"]) == 3  # not fresh
+    assert "is not empty" in capsys.readouterr().err
+    assert main(["reproduce", planned["dedup"].url, "--root", str(tmp_path / "here")]) == 0
+    assert "reproduce: 2 of 2 steps identical" in capsys.readouterr().out
+    _assert_no_secret(bucket)
+
+
+def _small_quickstart(tmp_path):
+    """The packaged quickstart with 30 train steps, no in-loop eval and 16 scored sequences (~25 s)."""
+    text = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml").read_text()
+    for old, new in [
+        ("train.steps=600", "train.steps=30"),
+        ("train.eval_every=100", "train.eval_every=null"),
+        ("max_sequences: 256", "max_sequences: 16"),
+    ]:
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_quickstart_in_a_bucket_through_faults_killed_mid_publish_redone_and_skipped_when_fresh(
+    s3_server, bucket, tmp_path, monkeypatch, capsys
+):
+    path, root = _small_quickstart(tmp_path), f"{bucket}/qs"
+    local = {p.step.name: p for p in run_pipeline(path, root=tmp_path / "local", log=lambda m: None)}
+    train_url = _plan(path, root)["train"].url
+
+    # 1. through a proxy dropping every 7th connection; SIGKILLed while train's directory uploads
+    proxy = FaultProxy(s3_server.port, drop_every=7)
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "XDG_CACHE_HOME": str(tmp_path / "c1")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shipyard.cli", "run", str(path), "--root", root],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while not storage.list_files(train_url) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        proxy.outage(30)  # the upload stalls in its retries: the kill lands with files up, no marker
+        uploaded = storage.list_files(train_url)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert uploaded and "_SUCCESS" not in uploaded, f"kill missed the upload: {uploaded}"
+    assert not storage.is_published(train_url)
+    assert proxy.dropped > 0  # the steps before train published through dropped connections
+
+    # 2. a fresh machine (no local copies) reruns: train is redone, its inputs fetched from the bucket
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c2"))
+    plan = _plan(path, root)
+    assert plan["tokens-train"].status == "done"
+    assert plan["train"].status == "run" and plan["train"].reason.startswith("incomplete")
+    capsys.readouterr()
+    assert main(["run", str(path), "--root", root]) == 0
+    redo = capsys.readouterr().out
+    assert "[train] running (incomplete" in redo and "[tokens-train] running" not in redo
+    assert f"fetching {plan['tokens-train'].url}" in redo  # train's input, and eval's baseline data
+    for name, p in plan.items():  # identical to the local-root run, step by step
+        assert p.hash == local[name].hash and _artifacts(p.url) == _artifacts(local[name].out), name
+
+    # 3. another fresh machine: every step done from the bucket alone, nothing run or fetched
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c3"))
+    assert main(["run", str(path), "--root", root]) == 0
+    skipped = capsys.readouterr().out
+    assert "running" not in skipped and "fetching" not in skipped
+    assert all(p.status == "done" for p in _plan(path, root).values())
+    proxy.close()
+    _assert_no_secret(root, (tmp_path / "killed.log").read_text(), redo, skipped)

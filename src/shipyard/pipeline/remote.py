@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 from shipyard import storage
@@ -95,8 +96,13 @@ def publish(local_dir: Path, url: str, log=print) -> None:
     """A finished step's directory (its `_SUCCESS` present) to `url`, the marker last."""
     if not (local_dir / MARKER).is_file():
         raise AssertionError(f"{local_dir} is not a finished step (no {MARKER})")
+    started = time.time()
     names = storage.publish_dir(local_dir, url)
-    log(f"  published {len(names)} files -> {storage.redact(url)}")
+    size = sum(f.stat().st_size for f in local_dir.rglob("*") if f.is_file())
+    log(
+        f"  published {len(names)} files ({size / 1e6:.1f} MB) in {time.time() - started:.1f} s "
+        f"-> {storage.redact(url)}"
+    )
 
 
 def fetch(url: str, local_dir: Path, kind: str, log=print) -> Path:
@@ -111,6 +117,7 @@ def fetch(url: str, local_dir: Path, kind: str, log=print) -> Path:
     if (local_dir / MARKER).is_file() and mine.is_file() and mine.read_bytes() == remote:
         return local_dir
     log(f"  fetching {storage.redact(url)} -> {local_dir}")
+    started = time.time()
     storage.download_dir(url, local_dir)
     recorded = json.loads(remote).get("artifacts")
     try:
@@ -124,4 +131,5 @@ def fetch(url: str, local_dir: Path, kind: str, log=print) -> Path:
             f"provenance.json records ({found} vs {recorded}); the published step was changed or "
             "damaged: rerun it with --force"
         )
+    log(f"  fetched and verified in {time.time() - started:.1f} s")
     return local_dir
