@@ -161,6 +161,8 @@ def test_a_few_batches_fetch_a_small_part_of_the_shards_and_scans_use_blocks(
         np.array_equal(r, local[i]) for r, i in zip(random_rows, (5000, 100, 7000, 20, 3000), strict=True)
     )
     assert np.array_equal(src[1999], local[1999]) and np.array_equal(src[4600], local[4600])
+    # a whole shard in memory (the unigram baseline's bincount): 16 MiB ranged GETs, the same tokens
+    assert np.array_equal(np.asarray(src.arrays[1]), local.arrays[1])
 
 
 def test_a_forked_child_reads_rows_with_its_own_client(big, bucket):
