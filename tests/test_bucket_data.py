@@ -82,6 +82,7 @@ def _normal(name: str, data: bytes, raw: str) -> object:
         for k in VOLATILE:
             obj.pop(k, None)
         obj.pop("sources", None)  # keyed by the input location of each stage
+        obj.pop("model", None)  # classify: where its model was
         if isinstance(obj.get("tokenizer"), dict):
             obj["tokenizer"].pop("source")
         if isinstance(obj.get("config"), dict) and isinstance(obj["config"].get("tokenizer"), str):
@@ -396,3 +397,32 @@ def test_pool_workers_use_the_storage_settings_of_now(bucket, tmp_path, s3_env):
     done = subprocess.run(script, env=without_aws_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert storage.is_published(f"{bucket}/in.out") and SECRET_KEY not in done.stdout + done.stderr
+
+
+def test_classifier_train_and_classify_bucket_to_bucket_equal_local(bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "pos.jsonl", [prose(s, 60) for s in range(80)])
+    write_jsonl(src / "neg.jsonl", [" ".join(f"w{(s * 7 + i) % 97}" for i in range(60)) for s in range(80)])
+    _upload(src, f"{bucket}/src")
+    outs = {}
+    for where, base, workers in (("local", str(tmp_path / "l"), 1), ("bucket", f"{bucket}/b", 2)):
+        data = str(src) if where == "local" else f"{bucket}/src"
+        model, cls = f"{base}/model", f"{base}/classify"
+        train = ["--positive", f"{data}/pos.jsonl", "--negative", f"{data}/neg.jsonl", "--out", model]
+        small = [
+            "--set",
+            "held_out_fraction=0.2",
+            "--set",
+            "bucket=20000",
+            "--set",
+            "dim=8",
+        ]  # a small model.bin
+        assert main(["data", "classifier-train", *train, *small]) == 0
+        argv = [f"{data}/pos.jsonl", f"{data}/neg.jsonl", "--model", model, "--out", cls]
+        assert main(["data", "classify", *argv, "--top-fraction", "0.5", "--workers", str(workers)]) == 0
+        outs[where] = {"classify": cls}
+    _compare(outs["local"], outs["bucket"], str(src), f"{bucket}/src", tmp_path)
+    stats = json.loads(storage.read_bytes(f"{bucket}/b/classify/stats.json"))
+    assert stats["model"] == f"{bucket}/b/model" and stats["documents_out"] == 80

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shipyard import storage
 from shipyard.data.configs import ClassifierTrainConfig, ClassifyConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, check_bad_fraction, read_documents, read_unit
+from shipyard.data.published import local_dir
 from shipyard.data.stage import StageStats, batches, config_record, part_name, plan, run_units, stage_output
 from shipyard.errors import DataError
 from shipyard.output import write_json
@@ -350,6 +352,14 @@ def run_classify(
     """Score every document, keep by cfg.threshold (default 0.5) or cfg.top_fraction; write parts,
     stats.json (histogram, examples by score level) and score_histogram.png into `out` atomically."""
     inputs = [str(p) for p in inputs]
+    named = storage.redact(model_dir)  # what stats.json records (a URL, not its cache directory)
+    model_dir = local_dir(  # a model URL: fetched once into the cache
+        model_dir,
+        (MODEL_FILE, REPORT_FILE),
+        "classifiers",
+        "data classify --model",
+        "data classifier-train --out URL",
+    )
     load_classifier(Path(model_dir))  # a bad model directory fails here, before any work
     units = plan(inputs)
     stats = StageStats("classify", inputs, config_record(read, classify=cfg), workers)  # times both passes
@@ -378,7 +388,7 @@ def run_classify(
                 parts.append(r["part"])
         check_bad_fraction(stats.read, read.max_bad_fraction, "data classify")
         stats.extra = {
-            "model": str(model_dir),
+            "model": named,
             "cutoff": cutoff if np.isfinite(cutoff) else None,
             "histogram": {
                 "edges": np.linspace(0, 1, cfg.histogram_bins + 1).tolist(),
