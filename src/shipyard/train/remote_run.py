@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -46,6 +47,8 @@ from shipyard.train.checkpoint import SIDECAR, checkpoint_dir
 RUN_MARKER = storage.MARKER
 CACHE_ENV = "SHIPYARD_RUN_CACHE"
 CHECKPOINTS = "checkpoints"
+UPLOADERS = 8
+"""Files of a checkpoint uploaded at once."""
 READER_SKIPS = ("tb/", "profile/", "metrics.jsonl")
 """Run files a reader of the model does not need (and that can be large)."""
 
@@ -228,10 +231,13 @@ def publish_checkpoint(work: Path, url: str, step: int) -> bool:
     base = _ckpt_url(url, str(step))
     storage.remove(_ckpt_url(url, f"{step}{SIDECAR}"))
     storage.remove(base)
-    for name in names:
-        if not _upload(directory / str(step) / name, f"{base}/{name}"):
-            storage.remove(base)
-            return False
+    # The files go up side by side (a store's latency, not its bandwidth, bounds one PUT after
+    # another); the sidecar only once every one of them is there.
+    with ThreadPoolExecutor(UPLOADERS) as pool:
+        sent = list(pool.map(lambda n: _upload(directory / str(step) / n, f"{base}/{n}"), names))
+    if not all(sent):
+        storage.remove(base)
+        return False
     return _upload(sidecar, _ckpt_url(url, f"{step}{SIDECAR}"))
 
 
