@@ -225,7 +225,9 @@ def table_lines(table, separator: str, alt_texts: bool = False, links: bool = Fa
     return lines
 
 
-def _is_data_table(table) -> bool:
+def is_data_table(table) -> bool:
+    """Whether `render_tables` writes this table as rows: no table inside it, and text that is at most
+    MAX_TABLE_LINK_FRACTION link text."""
     if table.query_selector("table") is not None:
         return False  # tables holding tables lay out a page; their inner tables are handled alone
     return bool(_SPACE.sub("", table.text or "")) and _link_fraction(table) <= MAX_TABLE_LINK_FRACTION
@@ -239,7 +241,7 @@ def render_tables(tree: HTMLTree, separator: str, alt_texts: bool = False, links
         return 0
     done = 0
     for table in tree.body.query_selector_all("table").values():
-        if not _is_data_table(table):
+        if not is_data_table(table):
             continue
         lines = table_lines(table, separator, alt_texts, links)
         block = tree.create_element("pre")
