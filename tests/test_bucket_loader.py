@@ -4,6 +4,7 @@ and far fewer bytes fetched than the shards hold."""
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -185,9 +186,14 @@ def test_a_forked_child_reads_rows_with_its_own_client(big, bucket):
         finally:
             os._exit(0)
     os.close(w)
-    got = b""
-    while chunk := os.read(r, 65536):
-        got += chunk
+    got, deadline = b"", time.monotonic() + 60
+    while time.monotonic() < deadline:  # a child stuck on the parent's client must fail, not hang
+        if select.select([r], [], [], 1)[0]:
+            if not (chunk := os.read(r, 65536)):
+                break
+            got += chunk
+    else:
+        os.kill(pid, 9)
     os.close(r)
     os.waitpid(pid, 0)
     assert np.array_equal(np.frombuffer(got, np.int32), want)
