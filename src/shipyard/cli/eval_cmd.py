@@ -30,14 +30,20 @@ def _cmd_eval(args) -> int:
     report = run_eval(
         args.run_dir, domains, tasks, args.max_sequences, args.step, args.tokenizer, quantize=args.quantize
     )
+    from shipyard import storage
     from shipyard.output import write_atomic
     from shipyard.runs import open_model_dir
 
     out = args.out
     if out is None and open_model_dir(args.run_dir, "eval").kind == "run":
-        out = args.run_dir / "eval.json"  # an import or HF directory is read, never written into
+        # an import or HF directory is read, never written into; a run URL gets it in the bucket
+        out = storage.join(args.run_dir, "eval.json")
     if out is not None:
-        write_atomic(Path(out), json.dumps(report.to_json(), indent=2) + "\n")
+        text = json.dumps(report.to_json(), indent=2) + "\n"
+        if storage.is_url(out):
+            storage.write_bytes(str(out), text.encode())  # one PUT: whole or absent
+        else:
+            write_atomic(Path(out), text)
     for name, m in report.domains.items():
         bpb = f", {m.bits_per_byte:.4f} bits/byte" if m.bits_per_byte else ""
         print(f"{name}: loss {m.loss:.4f}, perplexity {m.perplexity:.2f}{bpb} ({m.tokens:,} tokens)")
