@@ -303,6 +303,7 @@ CASES = [
     C("pipeline cycle", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: '@b'}}\n  - {name: b, kind: filter, inputs: {documents: '@a'}}\n")], CONFIG, "cycle"),
     C("pipeline step config", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: x}, config: {profil: prose}}\n")], CONFIG, "profil"),
     C("pipeline missing", lambda t, w: ["run", str(t / "none.yaml")], CONFIG, "none.yaml"),
+    C("pipeline input url", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: 's3://b/raw'}}\n")], CONFIG, "input documents s3://b/raw is a url"),
     C("pipeline root scheme", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: stdlib}\n"), "--root", "htp://b/x"], DATA, "scheme 'htp'; expected a local path"),
     C("reproduce nothing", lambda t, w: ["reproduce", str(t), "--root", str(t / "again")], DATA, "provenance"),
     C("prepare yaml", lambda t, w: ["data", "prepare", _yaml(t, "inputs: [a.jsonl]\nout: o\nfiltr: {}\n")], CONFIG, "filtr"),

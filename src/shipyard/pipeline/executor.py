@@ -195,19 +195,7 @@ def plan_pipeline(
     for s in cfg.steps:
         validate(s.name, s.kind, s.config, tuple(s.inputs))
     for s in _order(cfg):
-        inputs, hashes, recorded = {}, {}, {}
-        for role, ref in s.inputs.items():
-            if ref.startswith("@"):
-                name, _, sub = ref[1:].partition("/")
-                up = planned[name]
-                inputs[role] = up.out / sub if sub else up.out
-                hashes[role] = up.hash + (f"/{sub}" if sub else "")
-                recorded[role] = up.location + (f"/{sub}" if sub else "")
-            else:
-                p = Path(ref) if Path(ref).is_absolute() else base / ref
-                inputs[role] = p.resolve()
-                hashes[role] = _content_hash(inputs[role])
-                recorded[role] = str(inputs[role])
+        inputs, hashes, recorded = _resolve_inputs(s, planned, base)
         recipe = {"kind": s.kind, "config": s.config, "inputs": hashes, "version": version}
         h = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
         step_dir = f"{s.name}-{h}"
@@ -228,6 +216,34 @@ def plan_pipeline(
                 status, reason = "run", _reason(s, hashes, version, root, upstream_reran)
         planned[s.name] = Planned(s, h, out, inputs, hashes, status, reason, url, recorded)
     return list(planned.values())
+
+
+def _resolve_inputs(
+    s: StepConfig, planned: dict[str, Planned], base: Path
+) -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
+    """(paths the step reads, their hashes, where provenance says they are) for each input role."""
+    inputs: dict[str, Path] = {}
+    hashes: dict[str, str] = {}
+    recorded: dict[str, str] = {}
+    for role, ref in s.inputs.items():
+        if ref.startswith("@"):
+            name, _, sub = ref[1:].partition("/")
+            up = planned[name]
+            inputs[role] = up.out / sub if sub else up.out
+            hashes[role] = up.hash + (f"/{sub}" if sub else "")
+            recorded[role] = up.location + (f"/{sub}" if sub else "")
+        else:
+            if "://" in ref:  # Path() would fold s3://b into s3:/b and call it missing
+                raise ConfigError(
+                    f"pipeline step {s.name}: input {role} {storage.redact(ref)} is a URL; a "
+                    "pipeline's external inputs are local paths (copy it locally, or run the "
+                    "stage with `shipyard data` on the URL and give its output)"
+                )
+            p = Path(ref) if Path(ref).is_absolute() else base / ref
+            inputs[role] = p.resolve()
+            hashes[role] = _content_hash(inputs[role])
+            recorded[role] = str(inputs[role])
+    return inputs, hashes, recorded
 
 
 def _local_state(out: Path) -> str:
