@@ -48,8 +48,14 @@ def shown(loc: Location) -> str:
     return storage.redact(loc) if isinstance(loc, str) else str(loc)
 
 
+_LISTED_SIZES: dict[str, int] = {}
+"""Object sizes from this process's listings, so planning costs no HEAD per object."""
+
+
 def size_of(loc: Location) -> int:
-    return loc.stat().st_size if isinstance(loc, Path) else storage.size(loc)
+    if isinstance(loc, Path):
+        return loc.stat().st_size
+    return _LISTED_SIZES[loc] if loc in _LISTED_SIZES else storage.size(loc)
 
 
 def open_binary(loc: Location):
@@ -106,10 +112,11 @@ def list_url(url: str, suffixes: tuple[str, ...]) -> list[str]:
     fs, path = storage.filesystem(url)
     what = f"input {storage.redact(url)}"
     root = path.rstrip("/")
-    found = storage.retrying(lambda: fs.find(root), f"listing {storage.redact(url)}")
+    found = storage.retrying(lambda: fs.find(root, detail=True), f"listing {storage.redact(url)}")
     names = sorted(p[len(root) + 1 :] for p in found if p.startswith(root + "/"))
     if not names:
         if root in found or storage.exists(url):  # a single object, not a prefix
+            _LISTED_SIZES.pop(url, None)  # sized afresh when planned (it may have changed since a listing)
             if not name_of(url).endswith(suffixes):
                 raise DataError(f"{what}: unsupported file type (expected one of {', '.join(suffixes)})")
             return [url]
@@ -117,4 +124,9 @@ def list_url(url: str, suffixes: tuple[str, ...]) -> list[str]:
     _check_published(url, names)
     base = str(url).rstrip("/")
     # _SUCCESS, the tag and stats.json never end in a document suffix, so they are never read as documents
-    return [f"{base}/{n}" for n in names if n.endswith(suffixes) and not name_of(n).startswith("_")]
+    docs = [n for n in names if n.endswith(suffixes) and not name_of(n).startswith("_")]
+    for n in docs:
+        size = found[f"{root}/{n}"].get("size")
+        if isinstance(size, int):
+            _LISTED_SIZES[f"{base}/{n}"] = size
+    return [f"{base}/{n}" for n in docs]

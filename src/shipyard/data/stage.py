@@ -43,7 +43,6 @@ from shipyard.data.documents import (
     ReadStats,
     Unit,
     check_bad_fraction,
-    expand_inputs,
     plan_units,
     read_unit,
 )
@@ -290,10 +289,11 @@ def plan(inputs: list[str]) -> list[Unit]:
     """Validate the input paths now (a missing one fails before any work) and cut them into units."""
     if not inputs:
         raise DataError("no inputs given (expected files or directories of documents)")
-    if not expand_inputs(inputs):
+    units = plan_units(inputs)  # lists each input once (a bucket prefix: one listing, no HEAD per object)
+    if not units:
         shown = ", ".join(storage.redact(i) for i in inputs)
         raise DataError(f"inputs {shown}: no readable document files found")
-    return plan_units(inputs)
+    return units
 
 
 def run_units(
