@@ -252,6 +252,12 @@ def test_a_tokenizer_url_is_fetched_once_and_checked_against_its_marker(bucket, 
     assert main(["data", "tokenizer-train", str(docs), "--out", tok, "--set", "vocab_size=300"]) == 0
     enc = load_tokenizer(tok).encode("Kabel lodor.").ids
     assert load_tokenizer(f"{tok}/tokenizer.json").encode("Kabel lodor.").ids == enc
+    # chat and preference data take the same URL (data.chat.tokenizer / data.preference.tokenizer)
+    from shipyard.runs import chat_tokenizer_path
+
+    assert (
+        load_tokenizer(chat_tokenizer_path(f"{tok}/tokenizer.json", None)).encode("Kabel lodor.").ids == enc
+    )
     cached = list(remote_tokenizer.cache_dir().iterdir())
     assert len(cached) == 1 and sorted(p.name for p in cached[0].iterdir()) == [
         "tokenizer.json",

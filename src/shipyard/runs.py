@@ -364,7 +364,9 @@ def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Pa
     """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
     (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
     if chat_tokenizer is not None:
-        return Path(chat_tokenizer)
+        from shipyard.data.remote_tokenizer import local_tokenizer
+
+        return local_tokenizer(chat_tokenizer)  # a URL's published tokenizer, fetched to the cache
     if init_from is None:
         raise DataError(
             "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
