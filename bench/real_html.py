@@ -46,6 +46,7 @@ OFF = [
     "drop_page_chrome=false",
     "strip_anchor_ids=false",
     "keep_notes=false",
+    "keep_text_figures=false",
     "list_link_fraction=null",
     "table_rows=false",
 ]

@@ -180,9 +180,31 @@ def test_footer_of_an_article_is_kept_and_hidden_elements_dropped():
     page = (
         "<html><body><article><p>Body of the article, long enough to be the main content here.</p>"
         "<footer>ZZBYLINE written by Ada</footer></article><div hidden>ZZHIDDEN</div>"
-        '<span aria-hidden="true">ZZARIA</span><footer>ZZSITEFOOTER</footer></body></html>'
+        '<span aria-hidden="true">ZZARIA</span><div role="dialog"><p>ZZDIALOG</p></div>'
+        "<dialog><p>ZZCLOSEDDIALOG</p></dialog><dialog open><p>ZZOPENDIALOG</p></dialog>"
+        "<footer>ZZSITEFOOTER</footer></body></html>"
     )
     text = _text(page, main_content=False)
-    assert "ZZBYLINE" in text
-    for gone in ("ZZHIDDEN", "ZZARIA", "ZZSITEFOOTER"):
+    assert "ZZBYLINE" in text and "ZZOPENDIALOG" in text
+    for gone in ("ZZHIDDEN", "ZZARIA", "ZZDIALOG", "ZZCLOSEDDIALOG", "ZZSITEFOOTER"):
         assert gone not in text, gone
+
+
+def test_code_listing_in_a_figure_is_kept_without_alt_texts():
+    # the Rust book (mdBook): numbered listings are <figure class="listing">, which resiliparse
+    # skips as an image when alt texts are off (shipyard's default); an image figure still goes
+    page = (
+        "<html><body><main><p>Listing 19-11 shows a match expression on an Option value.</p>"
+        '<figure class="listing" id="listing-19-11"><span class="file-name">Filename: src/main.rs</span>'
+        '<pre class="playground"><code class="language-rust"><span class="boring">fn main() {\n</span>'
+        '    let x = Some(5);\n    match x {\n        Some(50) =&gt; println!("Got 50"),\n    }\n'
+        '<span class="boring">}</span></code></pre><figcaption>Listing 19-11: a match</figcaption></figure>'
+        '<figure><img src="a.png" alt="ZZALT"><figcaption>ZZIMAGECAPTION</figcaption></figure></main></body></html>'
+    )
+    text = _text(page)
+    assert (
+        'fn main() {\n    let x = Some(5);\n    match x {\n        Some(50) => println!("Got 50"),\n    }\n}'
+        in text
+    ), text
+    assert "Listing 19-11: a match" in text
+    assert "ZZALT" not in text and "ZZIMAGECAPTION" not in text

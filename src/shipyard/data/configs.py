@@ -54,6 +54,8 @@ class ExtractConfig(Schema):
     """Before extraction, remove the ids of sections, headings and blocks whose id is their heading's slug: they come from heading text, and main_content drops blocks whose id reads like boilerplate (the Python docs lost "New Features Related to Type Hints")."""
     keep_notes: bool = True
     """Keep <aside> notes and footnotes (role note / doc-footnote / doc-endnotes, or an aside holding only those) as text: main_content drops every <aside>, which took all 121 footnotes of the Python docs."""
+    keep_text_figures: bool = True
+    """Keep <figure>s that hold a <pre>, <table> or <blockquote> as text: with alt_texts off resiliparse skips every <figure> as an image, and the Rust book (mdBook) puts its code listings in one."""
     list_link_fraction: float | None = Field(0.5, ge=0, le=1)
     """Lists with at most this fraction of link text are prose citing names: their links become plain text before main_content runs, which drops lists above about 20% link text as menus. Null turns this off."""
     table_rows: bool = True

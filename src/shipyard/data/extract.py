@@ -3,9 +3,9 @@
 resiliparse's main-content mode drops navigation, headers, footers, script and
 style, and keeps the article text with paragraph breaks. Before it runs,
 `html_structure` removes what the page itself marks as navigation or hidden,
-takes heading-derived ids out of the heuristic's sight, keeps footnotes and
-prose lists that cite names as links, and writes data tables as one line per
-row (each step an `ExtractConfig` switch). Documents that are
+takes heading-derived ids out of the heuristic's sight, keeps footnotes, code
+listings in figures and prose lists that cite names as links, and writes data
+tables as one line per row (each step an `ExtractConfig` switch). Documents that are
 not HTML (no tag at all) pass through unchanged, so a mixed input works.
 """
 
@@ -41,6 +41,8 @@ def html_to_text(html: str, cfg: ExtractConfig) -> str:
         html_structure.strip_anchor_ids(tree)
     if cfg.keep_notes:
         html_structure.keep_notes(tree)
+    if cfg.keep_text_figures:
+        html_structure.keep_text_figures(tree)
     if cfg.list_link_fraction is not None:
         html_structure.unwrap_list_links(tree, cfg.list_link_fraction, cfg.links)
     if cfg.table_rows:

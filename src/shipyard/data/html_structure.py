@@ -14,6 +14,8 @@ itself, in resiliparse's own DOM (no second parser), using what the markup decla
   and blocks whose id is their heading's slug), so they cannot trigger the id heuristic;
 - `keep_notes`: asides the page marks as notes or footnotes become ordinary blocks (resiliparse
   drops every `<aside>`);
+- `keep_text_figures`: figures holding a code listing, table or quotation become ordinary blocks
+  (without alt texts resiliparse skips every `<figure>`);
 - `unwrap_list_links`: links in lists that are mostly prose become plain text (resiliparse drops a
   list with about a fifth of its text in links as a menu);
 - `render_tables`: each data table becomes a `<pre>` block, one line per row, cells joined by a
@@ -27,13 +29,19 @@ import re
 from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.html import HTMLTree
 
-# What the markup itself calls navigation, search, site footer or not shown to readers.
+# What the markup itself calls navigation, search, a menu or dialog, site footer or not shown to readers.
 CHROME_SELECTOR = ", ".join(
     (
         "nav",
         '[role="navigation"]',
         '[role="search"]',
         '[role="contentinfo"]',
+        '[role="menu"]',
+        '[role="menubar"]',
+        '[role="toolbar"]',
+        '[role="dialog"]',
+        '[role="alertdialog"]',
+        "dialog:not([open])",
         '[aria-hidden="true"]',
         "[hidden]",
         "footer",
@@ -194,14 +202,40 @@ def keep_notes(tree: HTMLTree) -> int:
         return 0
     notes = [a for a in tree.body.query_selector_all("aside").values() if _is_note(a)]
     for aside in notes:
-        block = tree.create_element("div")
-        for name in aside.attrs:
-            block.setattr(name, aside[name])
-        for child in aside.child_nodes.values():
-            block.append_child(child)
-        aside.parent.replace_child(block, aside)
-        aside.decompose()
+        _as_div(tree, aside)
     return len(notes)
+
+
+def _as_div(tree: HTMLTree, node) -> None:
+    """Replace `node` by a `<div>` with its attributes and children."""
+    block = tree.create_element("div")
+    for name in node.attrs:
+        block.setattr(name, node[name])
+    for child in node.child_nodes.values():
+        block.append_child(child)
+    node.parent.replace_child(block, node)
+    node.decompose()
+
+
+# What makes a <figure> text rather than an image: a code listing, a table, a quotation.
+TEXT_FIGURE_SELECTOR = "pre, table, blockquote"
+
+
+def keep_text_figures(tree: HTMLTree) -> int:
+    """Turn `<figure>`s that hold a code listing, table or quotation, and their captions, into
+    `<div>`s; returns how many figures.
+
+    Without alt texts resiliparse skips every `<figure>` as an image, and with it whatever the figure
+    holds: the Rust book (mdBook) wraps its numbered code listings in `<figure class="listing">`."""
+    if tree.body is None:
+        return 0
+    figures = [
+        f for f in tree.body.query_selector_all("figure").values() if f.query_selector(TEXT_FIGURE_SELECTOR)
+    ]
+    captions = [c for f in figures for c in f.query_selector_all("figcaption").values()]
+    for node in figures + captions:  # a nested node is still itself after its parent's children move
+        _as_div(tree, node)
+    return len(figures)
 
 
 def _cell_text(cell, alt_texts: bool, links: bool) -> str:
