@@ -168,12 +168,21 @@ def test_menus_link_indexes_and_layout_tables_are_left_to_resiliparse():
     menu = '<ul><li><a href="/a">Home page</a></li><li><a href="/b">About us</a></li><li><a href="/c">Shop</a></li></ul>'
     index = '<table class="indextable"><tr><td><ul><li><a href="x.html">abs() (built-in function)</a></li></ul></td><td><ul><li><a href="y.html">ZZINDEX</a></li></ul></td></tr></table>'
     layout = "<table><tr><td><table><tr><td>Name</td><td>Value</td></tr></table></td><td>ZZLAYOUT side cell</td></tr></table>"
-    page = f"<html><body><div><div><div><div>{filler}{menu}{index}{filler}{layout}</div></div></div></div></body></html>"
+    # a prose list holding a menu: the prose list's own links are unwrapped, not the menu's
+    nested = (
+        "<ul><li>Call the function with the right parameters and then check the result carefully, as"
+        " the section above explains in some detail"
+        '<ul><li><a href="/x">ZZNESTED one</a></li><li><a href="/y">ZZNESTED two</a></li></ul></li></ul>'
+    )
+    page = f"<html><body><div><div><div><div>{filler}{menu}{index}{nested}{filler}{layout}</div></div></div></div></body></html>"
     text = _text(page)
     assert "About us" not in text  # a menu: resiliparse drops it
     assert "ZZINDEX" not in text and "abs() (built-in" not in text  # a link index: not turned into rows
     # the inner data table is rows; the outer layout table is not flattened into one row with it
-    assert "Name | Value" in text and "| ZZLAYOUT" not in text
+    assert "Name | Value" in text
+    assert "| ZZLAYOUT" not in text
+    assert "Call the function with the right parameters" in text
+    assert "ZZNESTED" not in text
 
 
 def test_footer_of_an_article_is_kept_and_hidden_elements_dropped():
