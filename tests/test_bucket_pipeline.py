@@ -220,5 +220,16 @@ def test_quickstart_in_a_bucket_through_faults_killed_mid_publish_redone_and_ski
     skipped = capsys.readouterr().out
     assert "running" not in skipped and "fetching" not in skipped
     assert all(p.status == "done" for p in _plan(path, root).values())
+
+    # 4. eval forced on the machine that trained, its cache emptied (or another machine with the same
+    # ~/.cache): the run and, through its config.yaml, its training tokens (the unigram baseline's
+    # data) are fetched before eval runs; the numbers equal the local run's
+    shutil.rmtree(tmp_path / "c2")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c2"))
+    assert main(["run", str(path), "--root", root, "--force", "eval"]) == 0
+    forced = capsys.readouterr().out
+    assert f"fetching {plan['train'].url}" in forced
+    assert forced.find(f"fetching {plan['tokens-train'].url}") in range(forced.index("[eval] running"))
+    assert _artifacts(plan["eval"].url) == _artifacts(local["eval"].out)
     proxy.close()
-    _assert_no_secret(root, (tmp_path / "killed.log").read_text(), redo, skipped)
+    _assert_no_secret(root, (tmp_path / "killed.log").read_text(), redo, skipped, forced)
