@@ -221,6 +221,9 @@ def test_training_from_bucket_shards_matches_the_local_copy(tokenized, bucket, t
     was = json.loads((tmp_path / "local" / "provenance.json").read_text())["inputs"]["train_tokens"]
     now = json.loads((tmp_path / "remote" / "provenance.json").read_text())["inputs"]["train_tokens"]
     assert now == {**was, "path": url} and now["verified"] is True
+    # the shards' tokenizer travels with the run as it does from a local shard directory
+    tok = "tokenizer/tokenizer.json"
+    assert (tmp_path / "remote" / tok).read_bytes() == (tmp_path / "local" / tok).read_bytes()
     assert SECRET_KEY not in out
     for p in (tmp_path / "remote").rglob("*"):
         if p.is_file():
@@ -241,6 +244,28 @@ def test_a_token_npy_in_a_bucket_reads_as_the_local_file(byte_tokens, bucket):
     storage.write_bytes(url, byte_tokens.read_bytes()[:-3])
     with pytest.raises(DataError, match="tokens.npy is .* bytes, expected .*truncated"):
         SequenceSource(url, 64, 512)
+
+
+def test_ids_of_a_token_npy_in_a_bucket_are_checked_against_the_runs_tokenizer(byte_tokens, bucket, tmp_path):
+    from hf_fixtures import write_bpe
+
+    from shipyard.config import load_config
+    from shipyard.runs import check_ids_fit
+
+    url = f"{bucket}/ids.npy"
+    storage.write_bytes(url, byte_tokens.read_bytes())  # byte ids up to 255
+    cfg = load_config("tiny", [f"data.train_tokens={url}"])
+    check_ids_fit(cfg, write_bpe(tmp_path / "big", vocab_size=320))
+    from tokenizers import Tokenizer, models
+
+    small = tmp_path / "small"
+    small.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(
+        str(small / "tokenizer.json")
+    )
+    top = int(np.load(byte_tokens).max())
+    with pytest.raises(DataError, match=f"ids.npy holds token id {top}, but the model's tokenizer"):
+        check_ids_fit(cfg, small)
 
 
 def test_shards_a_killed_tokenize_was_still_publishing_are_refused(tokenized, bucket):

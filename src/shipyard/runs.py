@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shipyard import storage
 from shipyard.config import Config, MeshConfig, build_config, load_config
 from shipyard.errors import ConfigError, DataError, RunDirError
 
@@ -322,10 +323,14 @@ def run_tokenizer(cfg: Config) -> Path | None:
     if cfg.data.chat is not None:
         return chat_tokenizer_path(cfg.data.chat.tokenizer, cfg.train.init_from)
     if cfg.data.preference is not None and cfg.data.preference.tokenizer is not None:
-        return Path(cfg.data.preference.tokenizer)
+        return chat_tokenizer_path(cfg.data.preference.tokenizer, cfg.train.init_from)
     paths, _ = cfg.data.sources()
     for p in paths:
-        if (Path(p) / "tokenizer.json").is_file():
+        if storage.is_url(p) and storage.exists(str(storage.join(p, "tokenizer.json"))):
+            from shipyard.data.remote_tokenizer import local_tokenizer
+
+            return local_tokenizer(p)  # a shard set in a bucket: its published tokenizer, fetched
+        if not storage.is_url(p) and (Path(p) / "tokenizer.json").is_file():
             return Path(p)
     return None if cfg.train.init_from is None else init_from_tokenizer(cfg.train.init_from)
 
@@ -350,9 +355,15 @@ def check_ids_fit(cfg: Config, tokenizer_dir: Path) -> None:
 
     size = load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=True)
     for path in cfg.data.sources()[0]:
-        if Path(path).suffix != ".npy":
+        if not str(path).endswith(".npy"):
             continue
-        top = int(np.load(path, mmap_mode="r", allow_pickle=False).max(initial=0))
+        if storage.is_url(path):  # read by ranges, a chunk at a time (never the whole file on disk)
+            from shipyard.data.remote_array import RemoteArray
+
+            ids, step = RemoteArray(str(path)), 1 << 22
+            top = max((int(ids[i : i + step].max(initial=0)) for i in range(0, len(ids), step)), default=0)
+        else:
+            top = int(np.load(path, mmap_mode="r", allow_pickle=False).max(initial=0))
         if top >= size:
             raise DataError(
                 f"data.train_tokens: {path} holds token id {top}, but the model's tokenizer "
