@@ -18,7 +18,7 @@ from s3_fixtures import SECRET_KEY, FaultProxy
 from shipyard import storage
 from shipyard.cli.main import main
 from shipyard.errors import ConfigError
-from shipyard.pipeline.executor import load_pipeline, plan_pipeline, run_pipeline
+from shipyard.pipeline.executor import fetch_output, load_pipeline, plan_pipeline, run_pipeline
 
 
 def _docs(path, n=60):
@@ -93,6 +93,8 @@ def test_a_bucket_root_publishes_skips_from_the_bucket_fetches_and_redoes_a_kill
     assert main(["run", str(path), "--root", root]) == 0
     out = capsys.readouterr().out
     assert "running" not in out and "fetching" not in out and not cache.exists()
+    fetched = fetch_output(first["dedup"], log=lambda m: None)  # what quickstart does to print eval.json
+    assert (fetched / "_SUCCESS").is_file() and _artifacts(fetched) == _artifacts(local["dedup"].out)
 
     # forcing dedup there fetches filter's output from the bucket (checked against its digests)
     assert main(["run", str(path), "--root", root, "--force", "dedup"]) == 0
@@ -131,6 +133,10 @@ def test_a_damaged_published_step_is_refused_when_fetched(bucket, tmp_path, monk
 
 def test_bucket_roots_refused_in_one_line_before_anything_runs(bucket, tmp_path, capsys):
     path = _pipeline(tmp_path)
+    assert main(["quickstart", "--dry-run", "--root", f"{bucket}/qs"]) == 0  # plans from the bucket
+    planned = capsys.readouterr().out
+    rows = [line.split() for line in planned.splitlines() if line.split()[-1].startswith(f"{bucket}/qs/")]
+    assert len(rows) == 11 and all(r[1:3] == ["run", "new"] for r in rows)
     missing = "s3://shipyard-no-such-bucket/p"
     assert main(["run", str(path), "--root", missing]) == 3
     err = capsys.readouterr().err.strip()
