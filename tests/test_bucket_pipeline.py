@@ -137,6 +137,10 @@ def test_bucket_roots_refused_in_one_line_before_anything_runs(bucket, tmp_path,
     planned = capsys.readouterr().out
     rows = [line.split() for line in planned.splitlines() if line.split()[-1].startswith(f"{bucket}/qs/")]
     assert len(rows) == 11 and all(r[1:3] == ["run", "new"] for r in rows)
+    with_key = f"s3://key:{SECRET_KEY}@{bucket.removeprefix('s3://')}/p"
+    assert main(["run", str(path), "--root", with_key]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "credentials come from the environment" in err and SECRET_KEY not in err
     missing = "s3://shipyard-no-such-bucket/p"
     assert main(["run", str(path), "--root", missing]) == 3
     err = capsys.readouterr().err.strip()
