@@ -67,3 +67,14 @@ MC_ROWS = [
     {"context": "Verud sitov kahum lomon nufin", "choices": [" pejek.", " rawix sibel."], "label": 0},
     {"context": "Zugat", "choices": [" kadordor", " ve", " lohum nulis."], "label": 2},
 ]
+
+
+def pipeline_docs(path: Path, n: int = 60) -> Path:
+    """n small documents plus an exact duplicate of one (for dedup to remove), as a pipeline's input."""
+    rows = []
+    for i in range(n):
+        words = " ".join(f"word{(i * 7 + j) % 97}" for j in range(40 + i % 20))
+        rows.append({"id": f"d{i}", "text": f"Document {i}. " + words + ". The end of the text is here."})
+    rows.append(dict(rows[3], id="dup"))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -99,3 +99,17 @@ def write_hf_model(out: Path, seed: int = 0, max_positions: int = 128):
     model.generation_config = GenerationConfig(eos_token_id=[end], do_sample=False)
     model.save_pretrained(out)
     return model, tok
+
+
+def tokenized_shards(root: Path, documents: int, shard_tokens: int) -> Path:
+    """root/shards: `documents` corpus texts through the real tokenize stage with a BPE tokenizer."""
+    from shipyard.data.configs import ReadConfig, TokenizeConfig
+    from shipyard.data.tokenize import run_tokenize
+
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(documents)))
+    tok = write_bpe(root / "tok")
+    run_tokenize(
+        [str(docs)], root / "shards", tok, TokenizeConfig(shard_tokens=shard_tokens), ReadConfig(), workers=1
+    )
+    return root / "shards"

@@ -26,20 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
     """Shards written by the real tokenize stage (BPE tokenizer, several shards)."""
-    from hf_fixtures import corpus, write_bpe
+    from hf_fixtures import tokenized_shards
 
-    from shipyard.data.configs import ReadConfig, TokenizeConfig
-    from shipyard.data.tokenize import run_tokenize
-
-    root = tmp_path_factory.mktemp("bucket-loader")
-    docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(300)))
-    tok = write_bpe(root / "tok")
-    run_tokenize(
-        [str(docs)], root / "shards", tok, TokenizeConfig(shard_tokens=2000), ReadConfig(), workers=1
-    )
-    assert len(json.loads((root / "shards" / "manifest.json").read_text())["shards"]) >= 3
-    return root / "shards"
+    shards = tokenized_shards(tmp_path_factory.mktemp("bucket-loader"), documents=300, shard_tokens=2000)
+    assert len(json.loads((shards / "manifest.json").read_text())["shards"]) >= 3
+    return shards
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from importlib import resources
 
 import pytest
 import yaml
+from data_fixtures import pipeline_docs
 from s3_fixtures import SECRET_KEY, FaultProxy
 
 from shipyard import storage
@@ -21,18 +22,9 @@ from shipyard.errors import ConfigError
 from shipyard.pipeline.executor import fetch_output, load_pipeline, plan_pipeline, run_pipeline
 
 
-def _docs(path, n=60):
-    rows = []
-    for i in range(n):
-        words = " ".join(f"word{(i * 7 + j) % 97}" for j in range(40 + i % 20))
-        rows.append({"id": f"d{i}", "text": f"Document {i}. " + words + ". The end of the text is here."})
-    rows.append(dict(rows[3], id="dup"))  # an exact duplicate for dedup to remove
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def _pipeline(tmp_path):
     """filter -> dedup on a small generated corpus (a few seconds)."""
-    _docs(tmp_path / "docs.jsonl")
+    pipeline_docs(tmp_path / "docs.jsonl")
     steps = [
         {
             "name": "filter",

@@ -36,18 +36,10 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, cache):
     """Token shards (2 shards, BPE tokenizer) and a 6-step run on them saving at 2, 4 and 6."""
-    from hf_fixtures import corpus, write_bpe
-
-    from shipyard.data.configs import ReadConfig, TokenizeConfig
-    from shipyard.data.tokenize import run_tokenize
+    from hf_fixtures import tokenized_shards
 
     root = tmp_path_factory.mktemp("verify")
-    docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)))
-    tok = write_bpe(root / "tok")
-    run_tokenize(
-        [str(docs)], root / "shards", tok, TokenizeConfig(shard_tokens=1500), ReadConfig(), workers=1
-    )
+    tokenized_shards(root, documents=150, shard_tokens=1500)
     argv = _train_argv(root / "run", root / "shards", "train.steps=6", "train.checkpoint.every=2")
     assert main(argv) == 0
     return root

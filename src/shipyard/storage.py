@@ -259,16 +259,13 @@ def _rm_quiet(fs, path: str) -> None:
 def download_dir(url: str, dest: Path, names: list[str] | None = None, retry: Retry = DEFAULT_RETRY) -> Path:
     """Every object under prefix `url` (or just `names`) into local `dest`, atomically: into a
     temporary sibling first, renamed into place when all have arrived."""
-    import shutil
-    import tempfile
+    from shipyard.output import atomic_dir
 
     dest = Path(dest)
     fs, path = filesystem(url)
     root = path.rstrip("/")
     names = list_files(url, retry) if names is None else names
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest, "download", overwrite=True) as tmp:
         for name in names:
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -277,12 +274,6 @@ def download_dir(url: str, dest: Path, names: list[str] | None = None, retry: Re
                 f"downloading {redact(url)}/{name}",
                 retry,
             )
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 
