@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from shipyard import storage
+from shipyard.data.hashcache import sha256_files
 from shipyard.errors import DataError
 
 
@@ -50,8 +51,8 @@ def fetch_published(
         if required not in wanted:
             raise DataError(f"{what}: no {required} under {shown}")
         storage.download_dir(prefix, dest, wanted)
-        for name in wanted if hashes is not None else ():
-            got = hashlib.sha256((dest / name).read_bytes()).hexdigest()
+        actual = sha256_files(dest, wanted, fresh=True) if hashes is not None else {}
+        for name, got in actual.items():
             if got != hashes[name]:
                 shutil.rmtree(dest, ignore_errors=True)
                 raise DataError(
