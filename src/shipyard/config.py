@@ -463,13 +463,22 @@ class TrainConfig(Schema):
         return self
 
 
+MESH_AXIS_NAMES = ("pipeline", "data", "fsdp", "context", "tensor", "expert")
+"""The mesh axes, outermost first: pipeline stages span the slowest links (across hosts), tensor and
+expert the fastest (parallel/mesh.py builds the device grid in this order)."""
+
+
 class MeshConfig(Schema):
     """Device mesh axis sizes; -1 means "all remaining devices" (at most one axis)."""
 
+    pipeline: int = 1
+    """Pipeline parallelism: the stacked layers split into this many stages (train.pipeline: the schedule)."""
     data: int = -1
     """Pure data parallelism (params replicated)."""
     fsdp: int = 1
     """Fully sharded data parallelism (params sharded on `embed`, batch split too)."""
+    context: int = 1
+    """Context (sequence) parallelism: each sequence split along `seq`, attention as a ring over this axis."""
     tensor: int = 1
     """Tensor parallelism over heads, MLP width and vocabulary."""
     expert: int = 1
@@ -480,19 +489,19 @@ class MeshConfig(Schema):
     @model_validator(mode="after")
     def _check_rules(self) -> MeshConfig:
         for name, axes in self.rules.items():
-            bad = [a for a in axes if a not in ("data", "fsdp", "tensor", "expert")]
+            bad = [a for a in axes if a not in MESH_AXIS_NAMES]
             if bad:
                 raise ValueError(
-                    f"rules: {name} names unknown mesh axes {bad}; use data, fsdp, tensor, expert"
+                    f"rules: {name} names unknown mesh axes {bad}; use {', '.join(MESH_AXIS_NAMES)}"
                 )
         return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> MeshConfig:
-        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        sizes = [getattr(self, a) for a in MESH_AXIS_NAMES]
         if any(s == 0 or s < -1 for s in sizes):
             raise ValueError(
-                f"axis sizes must be positive or -1 (got {sizes} for data, fsdp, tensor, expert)"
+                f"axis sizes must be positive or -1 (got {sizes} for {', '.join(MESH_AXIS_NAMES)})"
             )
         if sizes.count(-1) > 1:
             raise ValueError("at most one mesh axis may be -1")

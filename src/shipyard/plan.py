@@ -82,14 +82,16 @@ def parse_bytes(text: str) -> float:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,fsdp=8,expert=4' -> sizes of all four axes (unnamed ones are 1)."""
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    """'data=2,fsdp=8,expert=4' -> sizes of every mesh axis (unnamed ones are 1)."""
+    from shipyard.config import MESH_AXIS_NAMES
+
+    sizes = dict.fromkeys(MESH_AXIS_NAMES, 1)
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
         if name.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
             raise ConfigError(
                 f"--mesh: {part!r} is not axis=size; expected e.g. data=2,fsdp=8,tensor=1,expert=4 "
-                "with axes data, fsdp, tensor, expert and positive sizes"
+                f"with axes {', '.join(MESH_AXIS_NAMES)} and positive sizes"
             )
         sizes[name.strip()] = int(value)
     return sizes

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from shipyard.config import MeshConfig
+from shipyard.config import MESH_AXIS_NAMES, MeshConfig
 from shipyard.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = MESH_AXIS_NAMES
 
 Rules = Mapping[str, tuple[str, ...]]
 
