@@ -1,0 +1,230 @@
+"""Ring attention: causal self-attention with the sequence split over the `context` mesh axis.
+
+Each device keeps its chunk of queries; the key/value chunks (with their
+slots and segment ids) travel once around the ring by `jax.lax.ppermute`,
+and every visit adds that chunk's contribution to an online softmax (running
+row max and sum, fp32). The full [L, L] scores never exist: a device holds
+[T, T] scores of one chunk pair (T = L / context), and of a half chunk pair
+at a time when a pair is partly masked.
+
+The mask is computed from each position's original slot (`slots`, the
+context order of `parallel.context`), not its place in the permuted row:
+causal by slot, the sliding window by slot distance, documents by segment
+id. Chunks are processed in halves, and a half-by-half block that the mask
+hides entirely is skipped (`lax.cond`): under the zig-zag order that is half
+of every visiting chunk, the same on every device.
+
+The backward pass is a custom VJP that runs the ring again (flash-attention
+style): it keeps only the output and the per-row logsumexp from the forward
+pass, recomputes each block's probabilities, and sends the key/value
+gradients around the ring with their chunk, one more hop bringing them home.
+
+Shapes follow `model.attention`: q [batch, T, kv_heads, group, head_dim],
+k and v [batch, T, kv_heads, head_dim] (per device).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from shipyard.model import attention, layers
+from shipyard.parallel.context import AXIS
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+_HALVES = 2
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slots: jax.Array,
+    segment_ids: jax.Array | None,
+    window,
+    mesh: Mesh,
+) -> jax.Array:
+    """Softmax attention [batch, L, kv_heads, group, D] of global q [batch, L, kv_heads, group, D] over
+    k, v [batch, L, kv_heads, D], with L split over the mesh's context axis.
+
+    `slots` [L] are the original positions (the causal and window mask use them), `segment_ids`
+    [batch, L] (or None) keep attention inside documents, `window` (None, an int or a traced int
+    under scan; `attention.GLOBAL_WINDOW` means global) keeps the last `window` slots. The other
+    mesh axes stay automatic (the compiler keeps batch and heads split as they come).
+    """
+    n = int(mesh.shape[AXIS])
+    if q.shape[1] % (n * _HALVES):
+        raise ValueError(f"ring attention: sequence length {q.shape[1]} does not split into {n} x 2 halves")
+    seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    win = jnp.asarray(2**30 if window is None else window, jnp.int32)
+    seq = PartitionSpec(None, AXIS)
+    fn = jax.shard_map(
+        partial(_ring, n=n),
+        mesh=mesh,
+        in_specs=(seq, seq, seq, PartitionSpec(AXIS), seq, PartitionSpec()),
+        out_specs=seq,
+        axis_names={AXIS},
+    )
+    return fn(q, k, v, slots.astype(jnp.int32), seg, win)
+
+
+def _ring(q, k, v, slots, seg, window, *, n: int):
+    return _ring_attend(q, k, v, slots, seg, window, n)
+
+
+def _shift(x, n: int):
+    """Send each device's x to the next device on the ring."""
+    return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _varying(tree):
+    """Zeros made per-device values (shard_map's type of what differs along the ring), as the
+    accumulators they start are."""
+    return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
+
+
+def _halves(x, axis: int = 1):
+    return jnp.split(x, _HALVES, axis=axis)
+
+
+def _seen(q_slots, k_slots, q_seg, k_seg, window) -> jax.Array:
+    """bool [batch, tq, tk]: causal by slot, inside the window, same segment."""
+    dist = q_slots[:, None] - k_slots[None, :]
+    return ((dist >= 0) & (dist < window))[None] & (q_seg[:, :, None] == k_seg[:, None, :])
+
+
+def _scores(q, k, seen):
+    """Masked fp32 scores [batch, kv_heads, group, tq, tk]."""
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    return jnp.where(seen[:, None, None], s * (1.0 / math.sqrt(q.shape[-1])), _NEG)
+
+
+def _forward_block(carry, q, k, v, seen):
+    """Add one key block to a query block's online softmax: carry = (acc [b,t,k,g,d], max, sum [b,k,g,t])."""
+    acc, m, l = carry
+    s = _scores(q, k, seen)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(seen[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
+    return acc, m_new, l * corr + jnp.sum(p, axis=-1)
+
+
+def _visit(update, state, q_parts, kv_parts):
+    """Run `update(state_i, q_i, kv_j, seen)` for every (query half i, key half j) pair the mask does
+    not wholly hide; `state` is a list (one entry per query half) and a key-side accumulator."""
+    q_states, k_state = state
+    q_states = list(q_states)
+    k_state = list(k_state)
+    for i, (qh, qs, qseg) in enumerate(q_parts):
+        for j, (kvh, ks, kseg) in enumerate(kv_parts):
+            seen = _seen(qs, ks, qseg, kseg, q_parts.window)
+
+            def run(operands, qh=qh, kvh=kvh, seen=seen):
+                return update(*operands, qh, kvh, seen)
+
+            q_states[i], k_state[j] = jax.lax.cond(
+                jnp.any(seen), run, lambda operands: operands, (q_states[i], k_state[j])
+            )
+    return q_states, k_state
+
+
+class _Parts(list):
+    """Halves of a chunk: (arrays, slots, segment ids) per half, and the window."""
+
+    def __init__(self, arrays, slots, seg, window):
+        super().__init__(zip(zip(*[_halves(a) for a in arrays]), _halves(slots, 0), _halves(seg)))
+        self.window = window
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring_attend(q, k, v, slots, seg, window, n):
+    return _ring_forward(q, k, v, slots, seg, window, n)[0]
+
+
+def _ring_forward(q, k, v, slots, seg, window, n):
+    """(output in q's dtype, logsumexp [batch, kv_heads, group, T] fp32) of this device's queries."""
+    B, T, K, G, D = q.shape
+    q_parts = _Parts((q,), slots, seg, window)
+    h = T // _HALVES
+    states = [
+        _varying(
+            (jnp.zeros((B, h, K, G, D), jnp.float32), jnp.full((B, K, G, h), _NEG), jnp.zeros((B, K, G, h)))
+        )
+        for _ in range(_HALVES)
+    ]
+
+    def update(q_state, k_state, qh, kvh, seen):
+        return _forward_block(q_state, qh[0], kvh[0], kvh[1], seen), k_state
+
+    kv = (k, v, slots, seg)
+    for step in range(n):
+        kv_parts = _Parts(kv[:2], kv[2], kv[3], window)
+        states, _ = _visit(update, (states, [None] * _HALVES), q_parts, kv_parts)
+        if step < n - 1:
+            kv = _shift(kv, n)
+    acc = jnp.concatenate([s[0] for s in states], axis=1)
+    m = jnp.concatenate([s[1] for s in states], axis=-1)
+    l = jnp.concatenate([s[2] for s in states], axis=-1)
+    out = acc / jnp.moveaxis(l, -1, 1)[..., None]
+    return out.astype(q.dtype), m + jnp.log(l)
+
+
+def _ring_fwd(q, k, v, slots, seg, window, n):
+    out, lse = _ring_forward(q, k, v, slots, seg, window, n)
+    return out, (q, k, v, slots, seg, window, out, lse)
+
+
+def _backward_block(q_state, k_state, qh, kvh, seen):
+    """One block's share of dq (query side) and dk, dv (key side), from recomputed probabilities."""
+    (q, do, lse, delta), (k, v) = qh, kvh
+    dq = q_state
+    dk, dv = k_state
+    p = jnp.where(seen[:, None, None], jnp.exp(_scores(q, k, seen) - lse[..., None]), 0.0)
+    dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, do.astype(jnp.float32))
+    dp = jnp.einsum("btkgd,bskd->bkgts", do, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * (1.0 / math.sqrt(q.shape[-1]))
+    dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(jnp.float32))
+    dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, q.astype(jnp.float32))
+    return dq, (dk, dv)
+
+
+def _ring_bwd(n, res, do):
+    q, k, v, slots, seg, window, out, lse = res
+    delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, -1)
+    # Query-side halves carry (q, do, lse, delta); lse and delta are [b, k, g, t], split on t.
+    q_halves = list(zip(_halves(q), _halves(do), _halves(lse, -1), _halves(delta, -1)))
+    q_parts = _Parts((q,), slots, seg, window)
+    q_parts[:] = [(qh, s, sg) for qh, (_, s, sg) in zip(q_halves, q_parts)]
+    dqs = [_varying(jnp.zeros(qh[0].shape, jnp.float32)) for qh in q_halves]
+    kv = (k, v, slots, seg, *_varying((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))))
+    for step in range(n):
+        kv_parts = _Parts(kv[:2], kv[2], kv[3], window)
+        k_states = list(zip(_halves(kv[4]), _halves(kv[5])))
+        dqs, k_states = _visit(_backward_block, (dqs, k_states), q_parts, kv_parts)
+        dk = jnp.concatenate([s[0] for s in k_states], axis=1)
+        dv = jnp.concatenate([s[1] for s in k_states], axis=1)
+        # The last hop sends only the key/value gradients: it brings them back to their chunk's device.
+        kv = _shift((*kv[:4], dk, dv), n) if step < n - 1 else (*kv[:4], *_shift((dk, dv), n))
+    dq = jnp.concatenate(dqs, axis=1)
+    return dq.astype(q.dtype), kv[4].astype(k.dtype), kv[5].astype(v.dtype), None, None, None
+
+
+_ring_attend.defvjp(_ring_fwd, _ring_bwd)
+
+
+def self_attention(cfg, h, w, cos, sin, slots, segment_ids, window, mesh: Mesh, key=None) -> jax.Array:
+    """The attention branch of one block for normed input h [batch, L, embed] with L split over the
+    context axis: q/k/v projection and RoPE as `attention.self_attention`, the ring as the core.
+    `slots` [L] are the positions' original slots (None: the row is in its own order)."""
+    q, k, v = attention.project_qkv(cfg, h, w, key)
+    q = layers.apply_rope(q, cos, sin)
+    k = layers.apply_rope(k, cos, sin)
+    if slots is None:
+        slots = jnp.arange(h.shape[1])
+    return attention.project_out(w, ring_attention(q, k, v, slots, segment_ids, window, mesh), key)
