@@ -429,6 +429,8 @@ class TrainConfig(Schema):
     """Seed for parameter initialisation and dropout, and for the data order unless data.seed is set."""
     z_loss: float = Field(0.0, ge=0)
     """Coefficient of the z-loss (logsumexp squared) that keeps output logits small; 0 disables it."""
+    loss_chunk_tokens: int | None = Field(2048, gt=0)
+    """A device whose microbatch holds more tokens than this computes the output head and cross-entropy in chunks of at most this many tokens (custom VJP: the fp32 [tokens, vocab] logits never exist whole, for one more head matmul per chunk in the backward pass); at most this many, it computes the logits whole as before. The default keeps a chunk's logits near 1 GiB at a 128K vocabulary and the small CPU presets (2048 tokens per step) on the whole, faster path; null: always whole."""
     max_consecutive_nonfinite: int = Field(5, gt=0)
     """Stop the run after this many consecutive steps with a non-finite loss or gradient."""
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -59,8 +59,13 @@ token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> LossSums:
     """logits [..., vocab] (any dtype; upcast here), integer targets and 0/1 mask [...]."""
+    return sums_from_stats(*token_stats(logits.astype(jnp.float32), targets), mask)
+
+
+def sums_from_stats(lse: jax.Array, target_logit: jax.Array, entropy: jax.Array, mask: jax.Array) -> LossSums:
+    """LossSums from per-token fp32 (logsumexp, target logit, entropy) and a 0/1 mask, all [...]
+    (from `token_stats`, or chunk by chunk from `chunked_loss.chunk_stats`)."""
     mask = mask.astype(jnp.float32)
-    lse, target_logit, entropy = token_stats(logits.astype(jnp.float32), targets)
     return LossSums(
         ce=jnp.sum((lse - target_logit) * mask),
         z=jnp.sum(jnp.square(lse) * mask),

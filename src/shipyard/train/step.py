@@ -17,10 +17,12 @@ import optax
 
 from shipyard.config import Config
 from shipyard.data.preference import pair_slots
+from shipyard.model import layers, transformer
 from shipyard.model.moe import MoEStats
-from shipyard.model.transformer import TransformerParams, logits_and_stats
+from shipyard.model.transformer import TransformerParams, output_weights
+from shipyard.train.chunked_loss import head_loss_sums, num_chunks
 from shipyard.train.finetune import Partition
-from shipyard.train.loss import LossSums, loss_sums
+from shipyard.train.loss import LossSums
 from shipyard.train.optim import lr_schedule
 from shipyard.train.preference_loss import PreferenceSums, preference_metrics, preference_sums, reply_logps
 
@@ -137,8 +139,21 @@ class GradientFn:
     partition: Partition
 
     def forward(self, p, mb, key):
-        """(fp32 logits, MoEStats | None) of the model with params `p` on microbatch `mb`."""
-        return logits_and_stats(
+        """(fp32 logits, MoEStats | None) of the model with params `p` on microbatch `mb` (the whole
+        [batch, seq, vocab] logits: the preference loss reads them; next-token loss uses `hidden`)."""
+        h, stats = self.hidden(p, mb, key)
+        return layers.dense(h, output_weights(p)).astype(jnp.float32), stats
+
+    def token_sums(self, p, h, mb) -> LossSums:
+        """Next-token LossSums of final hidden states `h` through `p`'s head, in chunks of at most
+        train.loss_chunk_tokens tokens per device (see train/chunked_loss.py)."""
+        targets = mb["tokens"][:, 1:]
+        chunks = num_chunks(targets.shape, self.cfg.train.loss_chunk_tokens, self.activation_sharding)
+        return head_loss_sums(h, output_weights(p), targets, mb["loss_mask"], chunks)
+
+    def hidden(self, p, mb, key):
+        """(final hidden states [batch, seq, embed], MoEStats | None) of the model `p` on `mb`."""
+        return transformer.forward(
             p,
             mb["tokens"][:, :-1],
             self.cfg.model,
@@ -166,8 +181,9 @@ class GradientFn:
         """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
         train = self.cfg.train
         compute = jnp.dtype(train.precision.compute_dtype)
-        out, stats = self.forward(self.partition.compute_params(params, frozen, compute), mb, key)
-        sums = loss_sums(out, mb["tokens"][:, 1:], mb["loss_mask"])
+        p = self.partition.compute_params(params, frozen, compute)
+        h, stats = self.hidden(p, mb, key)
+        sums = self.token_sums(p, h, mb)
         # Normalise by the whole batch's token count so microbatch
         # gradients add up to exactly the full-batch gradient.
         loss, stats = self.with_moe_losses((sums.ce + train.z_loss * sums.z) / total_tokens, stats)
@@ -457,7 +473,7 @@ def make_eval_step(
     def eval_step(params, frozen, batch):
         p = partition.compute_params(params, frozen, compute)
         tokens = batch["tokens"]
-        out, _ = logits_and_stats(
+        h, _ = transformer.forward(
             p,
             tokens[:, :-1],
             cfg.model,
@@ -465,8 +481,10 @@ def make_eval_step(
             rules=rules,
             **_model_inputs(batch, eos_id),
         )
-        mask = batch.get("loss_mask", jnp.ones(tokens[:, 1:].shape))
-        sums = loss_sums(out, tokens[:, 1:], mask)
+        targets = tokens[:, 1:]
+        mask = batch.get("loss_mask", jnp.ones(targets.shape))
+        chunks = num_chunks(targets.shape, cfg.train.loss_chunk_tokens, activation_sharding)
+        sums = head_loss_sums(h, output_weights(p), targets, mask, chunks)
         return sums.ce, sums.tokens
 
     return eval_step
