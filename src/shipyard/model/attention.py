@@ -1,6 +1,8 @@
 """Attention, written once: q/k/v projection, RoPE, masks, the score/softmax/value core, the KV-cache update.
 
-The training forward (`transformer.attention_block`), the KV-cache forward
+The training forward (`transformer.attention_block`, through `causal_self_attention`, whose core
+`causal_attention` picks per `model.attention_impl`: this module's reference `attend`, the blocked
+flash-style `model.blocked_attention`, or a vendor kernel of `model.attention_kernels`), the KV-cache forward
 (`inference.decode.forward_cached`) and the CPU decode step
 (`inference.cpu_decode`) all call these functions; they differ only in where
 keys and values come from (this chunk, or a cache) and in how a cache is laid
@@ -20,11 +22,17 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import layers, quant
+from shipyard.errors import ConfigError
+from shipyard.model import attention_kernels, blocked_attention, layers, quant
 from shipyard.model.lora import LoraParams, delta
 
 GLOBAL_WINDOW = 2**30
 """The window of a global layer where windows are per-layer arrays: no sequence reaches it."""
+BLOCKED_FROM_SEQ = 1024
+"""On CPU, `auto` attention is blocked from this sequence length on, reference below it. Measured by
+bench/attention_memory.py (one attention core's forward + backward): blocked is 1.35x faster at 1K and
+2.7x at 2K; at 512 and below the sequence is one tile and the two are within noise, so short
+sequences keep today's path exactly."""
 
 
 class AttentionWeights(NamedTuple):
@@ -203,6 +211,56 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: Ca
     return product(probs, "bkgts", v, layout.v, "btkgd")
 
 
+def attention_impl(cfg: ModelConfig, backend: str, seq_len: int, dtype, segments: bool) -> str:
+    """The training attention core `cfg.attention_impl` resolves to on `backend` ("cpu", "gpu", "tpu")
+    for this sequence length, compute dtype and segment ids (present or not).
+
+    An explicit cudnn or splash that cannot run raises ConfigError saying why; `auto` falls back to
+    blocked attention instead.
+    """
+    impl = cfg.attention_impl
+    why = {
+        "cudnn": lambda: attention_kernels.unsupported_cudnn(backend, dtype, cfg.head_dim, segments),
+        "splash": lambda: attention_kernels.unsupported_splash(backend, seq_len),
+    }
+    if impl in why:
+        reason = why[impl]()
+        if reason is not None:
+            raise ConfigError(f"model.attention_impl: {reason}; use blocked (any backend) or auto")
+        return impl
+    if impl != "auto":
+        return impl
+    if backend == "gpu":
+        return "cudnn" if why["cudnn"]() is None else "blocked"
+    if backend == "tpu":
+        return "splash" if why["splash"]() is None else "blocked"
+    return "reference" if seq_len < BLOCKED_FROM_SEQ else "blocked"
+
+
+def causal_attention(
+    cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None, window=None
+):
+    """Causal self-attention over one sequence by the core `attention_impl` picks: [batch, T, kv_heads, group, D].
+
+    q [batch, T, kv_heads, group, D], k and v [batch, T, kv_heads, D];
+    `segment_ids` [batch, T] (packed documents) and `window` (a traced
+    per-layer size under scan, GLOBAL_WINDOW or more meaning global) as in
+    `mask`. Only reference builds the [T, T] mask and scores.
+    """
+    T = q.shape[1]
+    impl = attention_impl(cfg, jax.default_backend(), T, q.dtype, segment_ids is not None)
+    if impl == "reference":
+        slots = jnp.arange(T)
+        return attend(q, k, v, mask(slots, slots, window, segment_ids))
+    if impl == "blocked":
+        return blocked_attention.attention(q, k, v, segment_ids, window, block=cfg.attention_block)
+    if impl == "cudnn":
+        return attention_kernels.cudnn_attention(q, k, v, window, cfg.sliding_window, GLOBAL_WINDOW)
+    return attention_kernels.splash_attention(
+        q, k, v, segment_ids, window, cfg.sliding_window, GLOBAL_WINDOW, cfg.attention_block
+    )
+
+
 def update_cache(cache: LayerKV, k: jax.Array, v: jax.Array, pos, layout: CacheLayout = SEQ_MAJOR) -> LayerKV:
     """Write new keys and values [batch, T, kv_heads, D] into cache slots pos..pos+T-1 (in place under donation).
 
@@ -259,6 +317,21 @@ def self_attention(
         cache = update_cache(cache, k, v, pos, layout)
         k, v = cache
     return project_out(w, attend(q, k, v, seen, layout), key), cache
+
+
+def causal_self_attention(
+    cfg: ModelConfig, h: jax.Array, w: AttentionWeights, cos, sin, segment_ids=None, window=None, key=None
+) -> jax.Array:
+    """The training attention branch for normed input h [batch, T, embed]: [batch, T, embed].
+
+    As `self_attention` without a cache, with the core chosen by
+    `causal_attention` from slots, segment ids and window (no [T, T] mask
+    unless the core is reference).
+    """
+    q, k, v = project_qkv(cfg, h, w, key)
+    q = layers.apply_rope(q, cos, sin)
+    k = layers.apply_rope(k, cos, sin)
+    return project_out(w, causal_attention(cfg, q, k, v, segment_ids, window), key)
 
 
 def layer_window_sizes(cfg: ModelConfig) -> list[int | None]:

@@ -153,9 +153,7 @@ def attention_block(
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
     # The q|k|v weights are fused here, per layer, so the stored layout and its shardings stay per projection.
     w = attention.attention_weights(p, cfg.num_kv_heads)
-    slots = jnp.arange(x.shape[1])
-    seen = attention.mask(slots, slots, window, segment_ids)
-    return x + attention.self_attention(cfg, h, w, cos, sin, seen, key=key)[0]
+    return x + attention.causal_self_attention(cfg, h, w, cos, sin, segment_ids, window, key)
 
 
 def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None, key=None):
