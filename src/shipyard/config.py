@@ -420,6 +420,15 @@ class FinetuneConfig(Schema):
         return self
 
 
+class OffloadConfig(Schema):
+    """What of the train state lives in host memory between steps (memory_kind pinned_host), streamed to the device for the step."""
+
+    optimizer: bool = False
+    """Keep the optimizer state (AdamW's moments: 8 bytes per trained parameter) in pinned host memory; each step copies it to the device for the update and back."""
+    params: bool = False
+    """Also keep the fp32 master params in pinned host memory; each step copies them to the device for the forward pass and the update, and back."""
+
+
 class TrainConfig(Schema):
     """The optimisation loop."""
 
@@ -435,6 +444,8 @@ class TrainConfig(Schema):
     """Coefficient of the z-loss (logsumexp squared) that keeps output logits small; 0 disables it."""
     loss_chunk_tokens: int | None = Field(2048, gt=0)
     """A device whose microbatch holds more tokens than this computes the output head and cross-entropy in chunks of at most this many tokens (custom VJP: the fp32 [tokens, vocab] logits never exist whole, for one more head matmul per chunk in the backward pass); at most this many, it computes the logits whole as before. The default keeps a chunk's logits near 1 GiB at a 128K vocabulary and the small CPU presets (2048 tokens per step) on the whole, faster path; null: always whole."""
+    offload: OffloadConfig = OffloadConfig()
+    """Host-memory offload of the optimizer state and the master params."""
     max_consecutive_nonfinite: int = Field(5, gt=0)
     """Stop the run after this many consecutive steps with a non-finite loss or gradient."""
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -23,6 +23,7 @@ from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
 from shipyard.model.params import abstract_params, param_shardings
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+from shipyard.train import offload
 from shipyard.train.finetune import Partition
 from shipyard.train.optim import build_optimizer
 from shipyard.train.step import (
@@ -195,6 +196,18 @@ def activation_sharding(cfg: Config, mesh: Mesh, rules: dict, rows: int) -> Name
     return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
 
 
+def check_offload(cfg: Config, mesh: Mesh) -> None:
+    """ConfigError when train.offload cannot run: a backend without pinned host memory
+    (`offload.check`), or master params offloaded for preference tuning, whose reference and
+    evaluation passes read the state's params without streaming them in."""
+    offload.check(cfg.train.offload, list(mesh.devices.flat))
+    if cfg.train.offload.params and cfg.train.preference is not None:
+        raise ConfigError(
+            "train.offload.params: preference tuning (train.preference) reads the params outside the "
+            "train step; set train.offload.params: false (train.offload.optimizer works)"
+        )
+
+
 def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None = None) -> TrainProgram:
     """The train program of `cfg` on `mesh` (default: the config's mesh over all devices).
 
@@ -204,6 +217,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     state's shardings.
     """
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    check_offload(cfg, mesh)
     rules = rules_for(cfg.mesh)
     batch_shardings, abstract_batch = batch_layout(cfg, mesh, rules)
     eos_id = document_eos_id(cfg, eos_id)

@@ -20,6 +20,7 @@ from shipyard.data.preference import pair_slots
 from shipyard.model import layers, transformer
 from shipyard.model.moe import MoEStats
 from shipyard.model.transformer import TransformerParams, output_weights
+from shipyard.train import offload
 from shipyard.train.chunked_loss import head_loss_sums, num_chunks
 from shipyard.train.finetune import Partition
 from shipyard.train.loss import LossSums
@@ -80,7 +81,8 @@ def init_state(
     Each optimizer moment is pinned to its parameter's sharding (`shardings`,
     default: the params' own): XLA would otherwise replicate zeros that do
     not depend on any input, and FSDP would shard only half the state. The
-    scalar counters are replicated.
+    scalar counters are replicated. With train.offload the optimizer state
+    (and the params) are placed in pinned host memory (train/offload.py).
     """
     fp16 = cfg.train.precision.compute_dtype == "float16"
     scale = cfg.train.precision.loss_scale_init if fp16 else 1.0
@@ -91,8 +93,8 @@ def init_state(
         opt_state = _pin_like_params(optimizer.init(params), params, shardings)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=opt_state,
+            params=offload.to_host(params) if cfg.train.offload.params else params,
+            opt_state=offload.to_host(opt_state) if cfg.train.offload.optimizer else opt_state,
             loss_scale=jnp.full((), scale, jnp.float32),
             good_steps=jnp.zeros((), jnp.int32),
             nonfinite=jnp.zeros((), jnp.int32),
@@ -342,6 +344,13 @@ def _optimizer_update(optimizer, state: TrainState, grads, lr, finite, stats, bi
     return jax.lax.cond(finite, apply, skip, None)
 
 
+def _offloaded(state: TrainState, where) -> TrainState:
+    """`state` with the parts train.offload (`where`) keeps in host memory moved there."""
+    params = offload.to_host(state.params) if where.params else state.params
+    opt_state = offload.to_host(state.opt_state) if where.optimizer else state.opt_state
+    return replace(state, params=params, opt_state=opt_state)
+
+
 def _next_loss_scale(precision, state: TrainState, finite) -> tuple[jax.Array, jax.Array]:
     """(loss_scale, good_steps) after this step: fp16 halves the scale on overflow and doubles it
     after `loss_scale_growth_interval` good steps; other dtypes keep 1.0."""
@@ -429,6 +438,8 @@ def make_train_step(
     def step(
         state: TrainState, batch: dict[str, jax.Array], frozen=None, reference=None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
+        if train.offload.params:  # streamed in from host memory (train/offload.py)
+            state = replace(state, params=offload.to_device(state.params))
         # Dropout masks are a pure function of (seed, step): a resumed run draws the same ones.
         key = jax.random.fold_in(jax.random.key(train.seed + 1), state.step) if dropout else None
         more = () if reference is None else (reference,)
@@ -438,6 +449,8 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & _finite_loss(sums)
         lr = schedule(state.step)
+        if train.offload.optimizer:  # fetched where the update reads it, stored back below
+            state = replace(state, opt_state=offload.to_device(state.opt_state))
         params, opt_state, update_norm = _optimizer_update(
             optimizer, state, grads, lr, finite, stats, bias_rate
         )
@@ -453,7 +466,8 @@ def make_train_step(
             nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
         )
         values = {"lr": lr, "grad_norm": grad_norm, "update_norm": update_norm, "skipped": skipped}
-        return new_state, _step_metrics(state, new_state, sums, stats, values)
+        metrics = _step_metrics(state, new_state, sums, stats, values)
+        return _offloaded(new_state, train.offload), metrics
 
     return step
 
@@ -471,6 +485,8 @@ def make_eval_step(
     partition = partition or Partition(cfg.model, None)
 
     def eval_step(params, frozen, batch):
+        if cfg.train.offload.params:  # the state's params, in host memory
+            params = offload.to_device(params)
         p = partition.compute_params(params, frozen, compute)
         tokens = batch["tokens"]
         h, _ = transformer.forward(
