@@ -288,6 +288,7 @@ CASES = [
     C("pairs without a loss", lambda t, w: [a for a in _pairs_cfg(t, w, _PAIR) if not a.startswith("train.preference")], CONFIG, "train.preference"),
     C("pairs with document masking", lambda t, w: _pairs_cfg(t, w, _PAIR, "data.document_masking=true"), CONFIG, "document_masking"),
     C("simpo negative gamma", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.preference.loss=simpo", "train.preference.gamma=-1"), CONFIG, "gamma"),
+    C("pairs with offloaded params", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.offload.params=true"), CONFIG, "train.offload.params"),
     C("quantize_base without lora", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={train_last_layers: 1, quantize_base: nf4}"), CONFIG, "lora"),
     C("nf4 block does not divide", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={lora: {rank: 4}, quantize_base: nf4, quant_block: 48}"), CONFIG, "quant_block"),
     # chat JSONL
