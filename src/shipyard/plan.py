@@ -97,6 +97,27 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def config_mesh(mesh: MeshConfig) -> dict[str, int]:
+    """The sizes of a config's own mesh (`shipyard plan` without --mesh); -1 needs a device count."""
+    from shipyard.config import MESH_AXIS_NAMES
+
+    sizes = {a: getattr(mesh, a) for a in MESH_AXIS_NAMES}
+    if -1 in sizes.values():
+        axis = next(a for a, v in sizes.items() if v == -1)
+        raise ConfigError(
+            f"--mesh: the config's mesh.{axis} is -1 (all remaining devices), so it names no device count; "
+            "give --mesh, e.g. pipeline=4,fsdp=32,expert=8"
+        )
+    return sizes
+
+
+def _all_axes(sizes: dict[str, int]) -> dict[str, int]:
+    """Sizes of every mesh axis, the unnamed ones 1."""
+    from shipyard.config import MESH_AXIS_NAMES
+
+    return {**dict.fromkeys(MESH_AXIS_NAMES, 1), **sizes}
+
+
 class _MeshShape:
     """Just the axis sizes, which is all the sharding rules look at (no devices needed)."""
 
@@ -135,10 +156,11 @@ def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
 
     # Gradients and optimizer moments exist only for what trains (all of it, the adapters or the
     # last layers); frozen params are held once, without either.
-    trained = opt = 0.0
+    trained = opt = largest = 0.0
     for spec in jax.tree.leaves(partition.trainable_specs(), is_leaf=is_spec):
         n = local(spec)
         trained += n
+        largest = max(largest, n)
         muon_matrix = cfg.train.optimizer.name == "muon" and spec.role == "weight"
         opt += n * (4.0 if muon_matrix else 8.0)
     frozen_specs = partition.frozen_specs()
@@ -149,6 +171,7 @@ def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     )
     out = {"params": 4.0 * trained + frozen_bytes, "grads": 4.0 * trained, "optimizer": opt}
     out["params_count_local"] = trained + frozen
+    out["largest_local_param"] = largest
     # DPO with reference: on_the_fly keeps the starting trainable tree in the compute dtype for the
     # reference forward (train/reference.py: reference_copy); a cached reference keeps none.
     pref = cfg.train.preference
@@ -183,8 +206,41 @@ def _quantized_base(frozen_specs, mode: str, local) -> dict:
     return {"mode": mode, "params": params, "stored": stored, "bytes": nbytes, "fp32_bytes": 4.0 * params}
 
 
-def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
-    """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md)."""
+def _attention_keys(cfg: Config, sizes: dict[str, int], device: Device) -> tuple[float, str]:
+    """(keys whose fp32 scores and probabilities exist at once per query row, the kernel that runs).
+
+    The reference attention holds every key of the sequence (of the local chunk under context
+    parallelism, one ring step at a time); the blocked, cuDNN and splash kernels one key block.
+    """
+    import jax.numpy as jnp
+
+    from shipyard.model.attention import attention_impl
+
+    keys = cfg.data.seq_len / sizes.get("context", 1)
+    d = cfg.data
+    segments = d.document_masking or d.chat is not None or d.preference is not None
+    dtype = jnp.dtype(cfg.train.precision.compute_dtype)
+    impl = attention_impl(cfg.model, _BACKENDS.get(device.name, "cpu"), int(keys), dtype, segments)
+    return (keys if impl == "reference" else min(keys, cfg.model.attention_block)), impl
+
+
+_BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu"}
+"""The JAX backend each planned device runs (what model.attention_impl: auto resolves against)."""
+
+
+def _loss_tokens(cfg: Config, tokens: float) -> float:
+    """Tokens whose fp32 logits exist at once: one chunk of train.loss_chunk_tokens, or all."""
+    chunk = cfg.train.loss_chunk_tokens
+    return tokens if chunk is None else min(tokens, chunk)
+
+
+def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dict[str, float]:
+    """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md).
+
+    Context parallelism splits each sequence's tokens over `context`; a pipeline stage holds
+    1/pipeline of the layers but the saved activations of every pipeline microbatch in flight
+    (all of the microbatch's tokens pass through every stage before the backward pass).
+    """
     m = cfg.model
     c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
     batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -192,10 +248,11 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     S, E, D = cfg.data.seq_len, m.hidden_size, m.head_dim
     t = sizes["tensor"]
     H, K = m.num_heads / t, m.num_kv_heads / t
+    keys, impl = _attention_keys(cfg, sizes, device)
 
     def layer(mlp_width: float) -> tuple[float, float]:
         """(all intermediates of one layer, the matmul outputs among them) per token, bytes."""
-        attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + H * S * (4 + c)
+        attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + H * keys * (4 + c)
         dots = c * ((H + 2 * K) * D + 2 * E)
         mlp = c * 3 * mlp_width
         return attn + mlp, dots + c * 2 * mlp_width
@@ -213,8 +270,12 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
         # Expert parallelism all-gathers the group's tokens (ep x E) before sorting k copies of them.
         dispatch = c * E * (sizes["expert"] + 2 * e.experts_per_token)
         layers += [(full + dispatch, dots + c * e.experts_per_token * E)] * m.num_moe_layers
-    tokens = b * S
-    peak_layer = max(full for full, _ in layers)
+    tokens = b * S / sizes.get("context", 1)
+    stages = sizes.get("pipeline", 1)
+    # The stage with the most layers, of the heaviest kind (MoE layers come last).
+    layers = layers[-math.ceil(len(layers) / stages) :]
+    in_flight = 1 / _pipeline_microbatches(cfg) if stages > 1 else 1.0  # one pipeline microbatch at a time
+    peak_layer = max(full for full, _ in layers) * in_flight
     if m.remat == "full":
         saved = len(layers) * c * E + peak_layer
     elif m.remat == "save_dots":
@@ -222,7 +283,51 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
     else:
         saved = sum(f for f, _ in layers)
     logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
-    return {"activations": tokens * saved, "logits": tokens * logits, "microbatch_tokens_per_device": tokens}
+    return {
+        "activations": tokens * saved,
+        "logits": _loss_tokens(cfg, tokens) * logits,
+        "logit_tokens": _loss_tokens(cfg, tokens),
+        "microbatch_tokens_per_device": tokens,
+        "attention_impl": impl,
+        "attention_keys": keys,
+        "stage_layers": len(layers),
+    }
+
+
+def _pipeline_microbatches(cfg: Config) -> int:
+    pipe = cfg.train.pipeline
+    return 1 if pipe is None else pipe.microbatches
+
+
+def _pipeline(cfg: Config, sizes: dict[str, int]) -> dict | None:
+    """The pipeline schedule's shape and bubble (None without a pipeline axis)."""
+    stages = sizes.get("pipeline", 1)
+    if stages == 1:
+        return None
+    from shipyard.parallel.pipeline import bubble_fraction
+
+    pipe = cfg.train.pipeline
+    micro, repeats = (1, 1) if pipe is None else (pipe.microbatches, pipe.repeats)
+    return {
+        "stages": stages,
+        "microbatches": micro,
+        "repeats": repeats,
+        "bubble": bubble_fraction(stages, micro, repeats),
+    }
+
+
+def _host_bytes(cfg: Config, state: dict) -> dict[str, float]:
+    """Train-state bytes per device held in host memory with train.offload (`resident`), and the
+    device bytes the streamed update needs at once (`streamed`: one parameter's worth of what is
+    offloaded, the largest; XLA may overlap more)."""
+    off = cfg.train.offload
+    resident = (state["optimizer"] if off.optimizer else 0.0) + (
+        state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0) if off.params else 0.0
+    )
+    if not resident:
+        return {"resident": 0.0, "streamed": 0.0}
+    per_param = (8.0 if off.optimizer else 0.0) + (4.0 if off.params else 0.0)
+    return {"resident": resident, "streamed": state["largest_local_param"] * per_param}
 
 
 def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None, mfu: float) -> dict:
@@ -230,13 +335,15 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
     from shipyard.model.transformer import num_active_params, num_params
     from shipyard.train.metrics import flops_per_token
 
+    sizes = _all_axes(sizes)
     n_dev = math.prod(sizes.values())
     state = _state_bytes(cfg, sizes)
-    act = _activation_bytes(cfg, sizes)
+    act = _activation_bytes(cfg, sizes, device)
     # A compute-dtype copy of the (sharded) params exists during the step for bf16/fp16.
     # A QLoRA base is not copied: each matmul dequantizes its weight to the compute dtype.
     castable = state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0)
     copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else castable / 2
+    host = _host_bytes(cfg, state)
     total = (
         state["params"]
         + state["grads"]
@@ -245,10 +352,15 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
         + state["reference"]
         + act["activations"]
         + act["logits"]
+        - host["resident"]
+        + host["streamed"]
     )
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu)
+    pipeline = _pipeline(cfg, sizes)
+    # Pipeline stages idle for the bubble's share of the schedule.
+    busy = 1.0 - (pipeline["bubble"] if pipeline else 0.0)
+    step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu * busy)
     out = {
         "devices": n_dev,
         "mesh": sizes,
@@ -271,8 +383,16 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
             "reference": state["reference"],
             "activations": act["activations"],
             "logits": act["logits"],
+            "offloaded": host["resident"],
+            "offload_streamed": host["streamed"],
             "total": total,
         },
+        "pipeline": pipeline,
+        "context": sizes.get("context", 1),
+        "attention_impl": act["attention_impl"],
+        "attention_keys": act["attention_keys"],
+        "stage_layers": act["stage_layers"],
+        "logit_tokens": act["logit_tokens"],
         "quantized_base": state.get("quantized_base"),
         "microbatch_tokens_per_device": act["microbatch_tokens_per_device"],
         "flops_per_token": flops_tok,
@@ -348,6 +468,7 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     import jax
 
     from shipyard.config import build_config, read_yaml
+    from shipyard.train import offload
 
     program = plan_program(build_config(read_yaml(cfg_yaml, "plan config")))
     state, frozen = program.abstract_state, program.abstract_frozen
@@ -363,6 +484,9 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
 
     trained_bytes, frozen_bytes = local_bytes(state.params), local_bytes(frozen)
     state_bytes = local_bytes(state)
+    # XLA CPU's memory analysis counts pinned-host arguments with the device's; train.offload's
+    # host-resident state is not device memory.
+    host = sum(offload.host_state_bytes(state).values())
     return {
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
@@ -373,7 +497,9 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
         "peak_bytes": mem.argument_size_in_bytes
         + mem.temp_size_in_bytes
         + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes,
+        - mem.alias_size_in_bytes
+        - host,
+        "host_bytes": host,
         "state_bytes": state_bytes + frozen_bytes,
         "params_bytes": trained_bytes + frozen_bytes,
         "optimizer_bytes": state_bytes - trained_bytes,
@@ -429,6 +555,7 @@ def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> d
 def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None = None, mfu: float = 0.4,
          compile_layers: int | None = None, with_compiled: bool = True) -> dict:  # fmt: skip
     """Analytic plan (+ compiled analysis) + verdict for `cfg` on a mesh of `sizes`."""
+    sizes = _all_axes(sizes)
     cfg = cfg.model_copy(update={"mesh": MeshConfig(**sizes, rules=cfg.mesh.rules)})
     batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if cfg.train.global_batch_size % (cfg.train.microbatches * batch_split):
@@ -453,6 +580,42 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
     return out
 
 
+def compare_table(plans: list[tuple[str, dict]]) -> str:
+    """Plans of one model on several layouts, side by side: what each device holds, the bubble,
+    the step time and the verdict."""
+
+    def peak(p):
+        c = p.get("compiled") or {}
+        return c.get("peak_bytes") or p["bytes"]["total"]
+
+    def layout(p):
+        return " x ".join(f"{k}={v}" for k, v in p["mesh"].items() if v > 1) or "1 device"
+
+    rows = [
+        ("layout", layout),
+        ("devices", lambda p: f"{p['devices']:,} x {p['device']['name']}"),
+        (
+            "state per device",
+            lambda p: _fmt(p["bytes"]["params"] + p["bytes"]["grads"] + p["bytes"]["optimizer"]),
+        ),
+        ("activations", lambda p: _fmt(p["bytes"]["activations"])),
+        ("logits", lambda p: _fmt(p["bytes"]["logits"])),
+        (
+            "peak per device",
+            lambda p: _fmt(peak(p)) + (" (compiled)" if p.get("compiled") else " (analytic)"),
+        ),
+        ("pipeline bubble", lambda p: f"{p['pipeline']['bubble']:.1%}" if p.get("pipeline") else "-"),
+        ("step time", lambda p: f"{p['step_seconds']:.3g} s at {p['mfu']:.0%} MFU"),
+        ("tokens/s", lambda p: f"{p['tokens_per_second']:,.0f}"),
+        ("fits", lambda p: "yes" if p["fits"] else "NO"),
+    ]
+    names = [name for name, _ in plans]
+    cells = [[label] + [fn(p) for _, p in plans] for label, fn in rows]
+    widths = [max(len(r[i]) for r in cells + [[""] + names]) for i in range(len(plans) + 1)]
+    head = "  ".join(x.ljust(w) for x, w in zip(["", *names], widths))
+    return "\n".join([head] + ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in cells])
+
+
 def _quantized_line(q: dict | None) -> list[str]:
     """The QLoRA line under `params`: the quantized base's bytes per parameter, scales included."""
     if not q:
@@ -461,6 +624,15 @@ def _quantized_line(q: dict | None) -> list[str]:
         f"    of which the {q['mode']} base (attention + MLP weights): {_fmt(q['bytes'])} for {q['params']:,.0f} "
         f"params = {q['bytes'] / max(q['params'], 1):.3g} B/param with scales (fp32: {_fmt(q['fp32_bytes'])}); "
         "embedding, norms, head, MoE experts and adapters fp32"
+    ]
+
+
+def _pipeline_line(pipe: dict | None) -> list[str]:
+    if not pipe:
+        return []
+    return [
+        f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s), {pipe['microbatches']} microbatches: "
+        f"bubble {pipe['bubble']:.1%} of each step idle (counted in the step time below)"
     ]
 
 
@@ -487,9 +659,22 @@ def render(p: dict) -> str:
             if b.get("reference")
             else []
         ),
-        f"  activations   {_fmt(b['activations'])}  ({p['microbatch_tokens_per_device']:,.0f} tokens per microbatch per device)",
-        f"  logits        {_fmt(b['logits'])}",
+        f"  activations   {_fmt(b['activations'])}  ({p['microbatch_tokens_per_device']:,.0f} tokens per microbatch per device"
+        + (f", {p['stage_layers']} layers per pipeline stage)" if p.get("pipeline") else ")"),
+        f"  logits        {_fmt(b['logits'])}  (fp32, {p['logit_tokens']:,.0f} tokens at once"
+        + (", train.loss_chunk_tokens)" if p["logit_tokens"] < p["microbatch_tokens_per_device"] else ")"),
+        *(
+            [
+                f"  offloaded     -{_fmt(b['offloaded'])} held in host memory (train.offload), "
+                f"+{_fmt(b['offload_streamed'])} streamed through the device for the update"
+            ]
+            if b.get("offloaded")
+            else []
+        ),
         f"  total         {_fmt(b['total'])}",
+        f"attention: {p['attention_impl']} (scores of {p['attention_keys']:,.0f} keys per query at once"
+        + (f"; a ring over context={p['context']})" if p["context"] > 1 else ")"),
+        *_pipeline_line(p.get("pipeline")),
     ]
     c = p.get("compiled")
     if c:

@@ -13,10 +13,10 @@ def _cmd_plan(args) -> int:
     import json
     from dataclasses import replace
 
-    from shipyard.plan import DEVICES, parse_bytes, parse_mesh, plan, render
+    from shipyard.plan import DEVICES, compare_table, config_mesh, parse_bytes, parse_mesh, plan, render
 
     cfg = load_config_arg(args.config, args.overrides, "plan")
-    sizes = parse_mesh(args.mesh)
+    sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
     device = DEVICES[args.device]
     if args.device_memory:
         device = replace(device, memory_bytes=parse_bytes(args.device_memory))
@@ -26,6 +26,23 @@ def _cmd_plan(args) -> int:
         raise ConfigError(f"--compile-layers: {args.compile_layers}; expected a positive number of layers")
     result = plan(cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only)
     sys.stdout.write(render(result) + "\n")
+    if args.compare:
+        others = []
+        for spec in args.compare:
+            mesh, *overrides = spec.split()
+            other = load_config_arg(args.config, [*args.overrides, *overrides], "plan --compare")
+            p = plan(
+                other,
+                parse_mesh(mesh),
+                device,
+                args.tokens,
+                args.mfu,
+                args.compile_layers,
+                not args.analytic_only,
+            )
+            others.append((spec, p))
+        sys.stdout.write("\ncompared:\n" + compare_table([("this plan", result), *others]) + "\n")
+        result = {**result, "compare": {spec: p for spec, p in others}}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["fits"] else 6
@@ -39,7 +56,10 @@ def register(sub) -> None:
     )
     pl.add_argument("config", help=CONFIG_HELP)
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full")
-    pl.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,fsdp=8,tensor=1,expert=4")
+    pl.add_argument(
+        "--mesh",
+        help="axis sizes, e.g. pipeline=4,fsdp=32,expert=8 (default: the config's mesh; -1 is not allowed)",
+    )
     pl.add_argument("--device", default="h100", choices=["h100", "h200", "a100", "tpu-v5p", "cpu"])
     pl.add_argument("--device-memory", help="memory per device (e.g. 80GiB); default: the device's")
     pl.add_argument(
@@ -53,6 +73,13 @@ def register(sub) -> None:
         "--compile-layers",
         type=int,
         help="compile only this many layers (twice, at two depths) and extrapolate; for very large models",
+    )
+    pl.add_argument(
+        "--compare",
+        action="append",
+        metavar="'MESH [KEY=VALUE ...]'",
+        help="also plan this mesh (with these overrides) and print the layouts side by side, "
+        "e.g. 'fsdp=32,expert=8 train.pipeline=null train.microbatches=16'",
     )
     pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
     pl.set_defaults(func=_cmd_plan)
