@@ -18,11 +18,16 @@ README's performance section):
   are read only at process start, hence the re-exec.
 
 All of these are defaults only: a user's own XLA_FLAGS, LD_PRELOAD or
-GLIBC_TUNABLES win, and SHIPYARD_NO_REEXEC=1 turns the re-exec off.
+GLIBC_TUNABLES win, and SHIPYARD_NO_REEXEC=1 turns the re-exec off. And
+they apply only to a process that will run on the CPU (`will_run_on_cpu`,
+decided before JAX starts): a GPU or TPU process gets neither, as XLA's
+GPU/TPU runtimes allocate device memory themselves.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import sys
 
@@ -37,8 +42,46 @@ JEMALLOC_PATHS = (
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1,thp:always,metadata_thp:always"
 
 
+ACCELERATOR_PLUGINS = {
+    # the package JAX loads a backend from -> device files whose presence says the hardware is there
+    "jax_cuda12_plugin": ("/dev/nvidiactl", "/dev/nvidia[0-9]*"),
+    "jax_cuda13_plugin": ("/dev/nvidiactl", "/dev/nvidia[0-9]*"),
+    "jax_rocm60_plugin": ("/dev/kfd",),
+    "jax_rocm7_plugin": ("/dev/kfd",),
+    "jax_rocm10_plugin": ("/dev/kfd",),
+    "libtpu": ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*"),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _present(patterns: tuple[str, ...]) -> bool:
+    return any(glob.glob(p) for p in patterns)
+
+
+def will_run_on_cpu(env: dict = os.environ) -> bool:
+    """Whether JAX in this process will pick the CPU as its default backend, without importing JAX.
+
+    JAX_PLATFORMS (JAX's own order of preference) decides when set: its first platform. Otherwise
+    JAX uses an accelerator when one of its plugins is installed (jax_cuda12/13_plugin, a ROCm
+    plugin, libtpu) and that hardware is present (its device files), else the CPU.
+    """
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(_installed(m) and _present(dev) for m, dev in ACCELERATOR_PLUGINS.items())
+
+
 def apply_xla_flags(env: dict = os.environ) -> None:
-    """Add the CPU flags to XLA_FLAGS unless the user already chose those options. Call before JAX starts."""
+    """Add the CPU flags to XLA_FLAGS unless the user already chose those options or the process will
+    not run on the CPU (`will_run_on_cpu`). Call before JAX starts."""
+    if not will_run_on_cpu(env):
+        return
     flags = env.get("XLA_FLAGS", "")
     if "ynn_fusion_type" not in flags:
         env["XLA_FLAGS"] = f"{flags} {CPU_XLA_FLAGS}".strip()
@@ -60,8 +103,10 @@ def allocator_name(env: dict = os.environ) -> str:
 
 
 def reexec_with_fast_allocator() -> None:
-    """Restart this process once with the allocator settings above (Linux only)."""
+    """Restart this process once with the allocator settings above (Linux only, CPU processes only)."""
     if not sys.platform.startswith("linux") or os.environ.get("SHIPYARD_NO_REEXEC") == "1":
+        return
+    if not will_run_on_cpu():
         return
     extra = allocator_env()
     if not extra:

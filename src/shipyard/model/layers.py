@@ -11,14 +11,28 @@ from shipyard.config import RopeScaling
 from shipyard.model import nf4, quant
 
 
+def cpu_backend() -> bool:
+    """Whether JAX's default backend is the CPU, asked at trace time: the CPU-only tricks (the dense
+    backward below, unrolled layer scans) apply there alone; GPU and TPU compile the plain model."""
+    return jax.default_backend() == "cpu"
+
+
+def layer_unroll(requested: int, layers: int) -> int:
+    """The `unroll` of a scan over `layers` layers: model.scan_unroll (at most the layer count) on the
+    CPU, where it removes the per-layer slicing of stacked weights; 1 (rolled) elsewhere, where the
+    compilers handle the loop themselves and unrolling only lengthens compilation."""
+    return min(requested, layers) if cpu_backend() else 1
+
+
 def dense(x: jax.Array, w) -> jax.Array:
     """x[..., in] @ w[in, out]; w an array, an int8 `quant.QuantizedMatrix` or an `nf4.NF4Matrix`
-    (the quantized ones: inference, and QLoRA's frozen base, which gets no weight gradient)."""
+    (the quantized ones: inference, and QLoRA's frozen base, which gets no weight gradient).
+    A plain array multiplies through `_dense`'s CPU-laid-out backward on the CPU, as `x @ w` elsewhere."""
     if nf4.is_nf4(w):
         return nf4.matmul(x, w)
     if quant.is_quantized(w):
         return quant.matmul(x, w)
-    return _dense(x, w)
+    return _dense(x, w) if cpu_backend() else x @ w
 
 
 @jax.custom_vjp

@@ -227,7 +227,7 @@ def forward(
                 if hi - lo < n
                 else (blocks, windows, keys)
             )
-            x, stats_n = jax.lax.scan(body, x, part, unroll=min(cfg.scan_unroll, hi - lo))
+            x, stats_n = jax.lax.scan(body, x, part, unroll=layers.layer_unroll(cfg.scan_unroll, hi - lo))
             if first + hi <= frozen_layers:
                 x = jax.lax.stop_gradient(x)
             if stats_n is not None:
