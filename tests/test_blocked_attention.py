@@ -4,6 +4,8 @@ compiled memory of a training step growing linearly in seq with blocked attentio
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,10 +37,12 @@ def _reference(q, k, v, segment_ids=None, window=None):
     return attention.attend(q, k, v, attention.mask(slots, slots, window, segment_ids))
 
 
-def _value_and_grads(core, q, k, v):
-    """core's output and the gradients of a random projection of it with respect to q, k and v."""
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grads(core, q, k, v, *extra):
+    """core(q, k, v, *extra)'s output and the gradients of a random projection of it with respect to
+    q, k and v, jitted once per core (`extra` stay traced: a window is a traced int, as under scan)."""
     w = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-    out, vjp = jax.vjp(core, q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: core(q, k, v, *extra), q, k, v)
     return out, vjp(w)
 
 
@@ -51,12 +55,10 @@ def _close(got, want, tol=TOL):
 
 # GQA groups of 3 and of 1 (MHA), segment ids, a window, lengths that are not a multiple of the block
 CASES = {
-    "gqa": dict(K=2, G=3, T=64, seg=False, window=None),
-    "mha": dict(K=3, G=1, T=64, seg=False, window=None),
-    "segments": dict(K=2, G=2, T=64, seg=True, window=None),
-    "window": dict(K=2, G=2, T=64, seg=False, window=9),
+    "gqa+segments": dict(K=2, G=3, T=64, seg=True, window=None),
+    "mha+window": dict(K=3, G=1, T=64, seg=False, window=9),
     "window+segments+uneven": dict(K=1, G=4, T=53, seg=True, window=20),
-    "shorter than a block": dict(K=2, G=2, T=11, seg=True, window=None),
+    "shorter than a block": dict(K=2, G=2, T=11, seg=False, window=None),
 }
 
 
@@ -65,10 +67,10 @@ def test_blocked_equals_reference_forward_and_backward(name):
     c = CASES[name]
     q, k, v = _qkv(0, 2, c["T"], c["K"], c["G"], 16)
     seg = _segments(1, 2, c["T"]) if c["seg"] else None
-    window = None if c["window"] is None else jnp.int32(c["window"])  # traced, as under scan
-    ref = _value_and_grads(lambda q, k, v: _reference(q, k, v, seg, window), q, k, v)
+    extra = () if c["window"] is None else (jnp.int32(c["window"]),)  # traced, as under scan
+    ref = _value_and_grads(lambda q, k, v, *w: _reference(q, k, v, seg, *w), q, k, v, *extra)
     got = _value_and_grads(
-        lambda q, k, v: blocked_attention.attention(q, k, v, seg, window, block=16), q, k, v
+        lambda q, k, v, *w: blocked_attention.attention(q, k, v, seg, *w, block=16), q, k, v, *extra
     )
     _close(got[0], ref[0])
     for g, r in zip(got[1], ref[1]):
@@ -111,34 +113,10 @@ def _cfg(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def test_attention_block_weights_get_the_same_gradients():
-    """Through `transformer.attention_block` with qk-norm, RoPE, segment ids and a window: the gradients
-    of the block's weights and of its input equal the reference path's."""
-    cfg = _cfg(qk_norm=True, num_layers=1, attention_block=16)
-    params = init_params(transformer.param_specs(cfg), jax.random.key(0))
-    p = jax.tree.map(lambda a: a[0], params.blocks)
-    T = 40
-    x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden_size), jnp.float32)
-    cos, sin = attention.rope_tables(cfg, jnp.arange(T)[None])
-    seg = _segments(5, 2, T)
-
-    def run(impl):
-        c = cfg.model_copy(update=dict(attention_impl=impl))
-
-        def f(p, x):
-            return jnp.sum(jnp.sin(transformer.attention_block(c, x, p, cos, sin, seg, jnp.int32(13))))
-
-        return jax.value_and_grad(f, argnums=(0, 1))(p, x)
-
-    (v_ref, g_ref), (v_blk, g_blk) = run("reference"), run("blocked")
-    assert abs(float(v_ref) - float(v_blk)) <= TOL * max(1.0, abs(float(v_ref)))
-    for r, g in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_blk)):
-        _close(g, r)
-
-
 def test_whole_model_gradients_match_with_per_layer_windows_under_scan():
-    """A 3-layer model, local layers (window 8) and a global one as a traced window array under
-    lax.scan, qk-norm, GQA, packed documents: logits and every parameter's gradient equal the
+    """A 3-layer model through `transformer.attention_block` (RoPE, qk-norm, GQA, packed documents),
+    local layers (window 8) and a global one as a traced window array under lax.scan: logits and
+    every parameter's gradient (each block's q/k/v/o weights and norms included) equal the
     reference path's within 1e-5 of each tensor's norm."""
     cfg = _cfg(qk_norm=True, sliding_window=8, global_attention_every=2, attention_block=16)
     params = init_params(transformer.param_specs(cfg), jax.random.key(2))
@@ -153,7 +131,7 @@ def test_whole_model_gradients_match_with_per_layer_windows_under_scan():
             lp = jax.nn.log_softmax(lg[:, :-1])
             return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)), lg
 
-        return jax.value_and_grad(loss, has_aux=True)(params)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
     ((l_ref, lg_ref), g_ref), ((l_blk, lg_blk), g_blk) = run("reference"), run("blocked")
     _close(lg_blk, lg_ref)
@@ -169,22 +147,21 @@ def test_splash_wrapper_equals_reference_in_the_pallas_interpreter():
     T = 256
     q, k, v = _qkv(8, 1, T, 2, 2, 32)
     seg = _segments(9, 1, T)
-    w = jnp.int32(40)
 
-    def splash(q, k, v):
+    def splash(q, k, v, w):
         return attention_kernels.splash_attention(
             q, k, v, seg, w, 40, attention.GLOBAL_WINDOW, 128, interpret=True
         )
 
-    ref = _value_and_grads(lambda q, k, v: _reference(q, k, v, seg, w), q, k, v)
-    got = _value_and_grads(splash, q, k, v)
-    _close(got[0], ref[0])
-    for g, r in zip(got[1], ref[1]):
-        _close(g, r, 1e-4)
-    glob = attention_kernels.splash_attention(
-        q, k, v, None, jnp.int32(attention.GLOBAL_WINDOW), 40, attention.GLOBAL_WINDOW, 128, interpret=True
-    )
-    _close(glob, _reference(q, k, v))
+    def reference(q, k, v, w):
+        return _reference(q, k, v, seg, w)
+
+    for w in (jnp.int32(40), jnp.int32(attention.GLOBAL_WINDOW)):  # the local and the global kernel
+        ref = _value_and_grads(reference, q, k, v, w)
+        got = _value_and_grads(splash, q, k, v, w)
+        _close(got[0], ref[0])
+        for g, r in zip(got[1], ref[1]):
+            _close(g, r)
 
 
 def test_cudnn_wrapper_maps_gqa_and_window_as_the_reference():
@@ -228,7 +205,7 @@ def test_a_kernel_that_cannot_run_is_refused_in_one_line(impl, backend, dtype, s
 
 def _step_temp_bytes(impl: str, seq: int) -> int:
     """XLA's compiled temporaries of grad(loss) for a 2-layer model at this seq (compiled, not run)."""
-    cfg = _cfg(vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_seq_len=seq)
+    cfg = _cfg(vocab_size=256, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=seq)
     cfg = cfg.model_copy(update=dict(attention_impl=impl))
     params = abstract_params(transformer.param_specs(cfg))
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
@@ -240,8 +217,12 @@ def _step_temp_bytes(impl: str, seq: int) -> int:
 
 
 def test_step_temporaries_grow_linearly_with_blocked_and_quadratically_without():
-    seqs = (2048, 4096, 8192)  # 16K is in bench/attention_memory.py
-    for impl, lo, hi in (("blocked", 1.5, 2.6), ("reference", 3.2, 4.5)):
+    """Per doubling of seq: blocked ~2x, reference ~4x (8K reference and 16K are in
+    bench/attention_memory.py, to keep this tier fast)."""
+    for impl, seqs, lo, hi in (
+        ("blocked", (2048, 4096, 8192), 1.3, 2.6),
+        ("reference", (2048, 4096), 3.2, 4.5),
+    ):
         temps = [_step_temp_bytes(impl, s) for s in seqs]
         ratios = [b / a for a, b in zip(temps, temps[1:])]
         assert all(lo < r < hi for r in ratios), (impl, temps, ratios)

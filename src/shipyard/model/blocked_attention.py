@@ -11,8 +11,8 @@ documents) and a window size that may be a traced per-layer int.
 
 Tiles that no query of the block can see (above the causal diagonal, behind a
 window) are skipped: the loops run only over the range of key blocks (query
-blocks, in the backward) that can be visible, and a `lax.cond` skips the rest
-where slots are not monotone (context-parallel chunks).
+blocks, in the backward) that can be visible, and where slots are not in
+order (context-parallel chunks) a `lax.cond` skips the invisible tiles inside it.
 
 Shapes follow `model.attention`: q [batch, T, kv_heads, group, D], k and v
 [batch, S, kv_heads, D]; the logsumexp is [batch, T, kv_heads, group] fp32.
@@ -43,11 +43,21 @@ def attention(q, k, v, segment_ids=None, window=None, *, block: int = 512) -> ja
     positions, the query's own included.
     """
     slots = jnp.arange(q.shape[1], dtype=jnp.int32)
-    return partial(q, k, v, slots, slots, segment_ids, segment_ids, window, block=block)[0]
+    return partial(q, k, v, slots, slots, segment_ids, segment_ids, window, block=block, ordered=True)[0]
 
 
 def partial(
-    q, k, v, q_slots, k_slots, q_segments=None, k_segments=None, window=None, *, block: int = 512
+    q,
+    k,
+    v,
+    q_slots,
+    k_slots,
+    q_segments=None,
+    k_segments=None,
+    window=None,
+    *,
+    block: int = 512,
+    ordered: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries at `q_slots` [T] over keys at `k_slots` [S]: (out, lse).
 
@@ -57,7 +67,9 @@ def partial(
     [batch, T, kv_heads, group] (fp32) is the log of the softmax denominator,
     -inf for a query that sees none of them (its out is 0). Lengths that are
     not a multiple of `block` are padded up inside (the padding is invisible).
-    Differentiable in q, k and v, through both outputs.
+    Differentiable in q, k and v, through both outputs. `ordered=True`
+    promises increasing slots (one contiguous sequence): the visible tiles
+    of a block then form one range and no per-tile test is compiled.
     """
     T, S = q.shape[1], k.shape[1]
     bq, bk = min(block, T), min(block, S)
@@ -72,7 +84,17 @@ def partial(
     k, v, k_segments = _pad(k, Sp, 1), _pad(v, Sp, 1), _pad(k_segments, Sp, 1, "edge")
     k_slots = _pad(k_slots, Sp, 0, _PAD_SLOT)
     out, lse = _flash(
-        bq, bk, q, k, v, q_slots, k_slots, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), window
+        bq,
+        bk,
+        ordered,
+        q,
+        k,
+        v,
+        q_slots,
+        k_slots,
+        q_segments.astype(jnp.int32),
+        k_segments.astype(jnp.int32),
+        window,
     )
     return out[:, :T], lse[:, :T]
 
@@ -136,12 +158,19 @@ def _block(x, i, size: int, axis: int = 1):
     return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
-    return _forward(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window)
+def _maybe(ordered: bool, visible, fn, i, carry):
+    """fn(i, carry), or carry where the tile is not `visible` (tested only where slots are unordered)."""
+    if ordered:
+        return fn(i, carry)
+    return jax.lax.cond(visible, fn, lambda i, c: c, i, carry)
 
 
-def _forward(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(bq, bk, ordered, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
+    return _forward(bq, bk, ordered, q, k, v, q_slots, k_slots, q_seg, k_seg, window)
+
+
+def _forward(bq, bk, ordered, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
     B, Tp, K, G, D = q.shape
     vis = _visible(q_slots, k_slots, window, bq, bk)
     lo, hi = _span(vis)
@@ -161,7 +190,7 @@ def _forward(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
         def step(j, carry):
-            return jax.lax.cond(vis[i, j], tile, lambda j, c: c, j, carry)
+            return _maybe(ordered, vis[i, j], tile, j, carry)
 
         init = (
             jnp.full((B, K, G, bq), -jnp.inf, _F32),
@@ -179,12 +208,12 @@ def _forward(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
     return out, jnp.moveaxis(lse, 0, 1).reshape(B, Tp, K, G)
 
 
-def _flash_fwd(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
-    out, lse = _forward(bq, bk, q, k, v, q_slots, k_slots, q_seg, k_seg, window)
+def _flash_fwd(bq, bk, ordered, q, k, v, q_slots, k_slots, q_seg, k_seg, window):
+    out, lse = _forward(bq, bk, ordered, q, k, v, q_slots, k_slots, q_seg, k_seg, window)
     return (out, lse), (q, k, v, q_slots, k_slots, q_seg, k_seg, window, out, lse)
 
 
-def _flash_bwd(bq, bk, res, cts):
+def _flash_bwd(bq, bk, ordered, res, cts):
     q, k, v, q_slots, k_slots, q_seg, k_seg, window, out, lse = res
     d_out, d_lse = cts
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -215,7 +244,7 @@ def _flash_bwd(bq, bk, res, cts):
             return dq, dkj, dvj
 
         def step(i, c):
-            return jax.lax.cond(vis[i, j], tile, lambda i, c: c, i, c)
+            return _maybe(ordered, vis[i, j], tile, i, c)
 
         zero = jnp.zeros(kj.shape, _F32)
         dq, dkj, dvj = jax.lax.fori_loop(lo[j], hi[j], step, (dq, zero, zero))
