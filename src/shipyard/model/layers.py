@@ -51,16 +51,18 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _dense_fwd(x, w):
-    x2 = x.reshape(-1, x.shape[-1])
-    return (x2 @ w).reshape(*x.shape[:-1], w.shape[-1]), (x2, w, x.shape)
+    return x @ w, (x, w)
 
 
 def _dense_bwd(res, dy):
-    x2, w, x_shape = res
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dx = (dy2 @ w.T).reshape(x_shape)
-    x_t = jax.lax.optimization_barrier(x2.T)
-    return dx, (x_t @ dy2).astype(w.dtype)
+    # The leading dimensions are contracted as they are, never flattened into one: with batch and
+    # seq split over different mesh axes (context parallelism) a flattened dimension has no
+    # sharding, and the partitioner would gather the whole sequence on every device.
+    x, w = res
+    lead = tuple(range(x.ndim - 1))
+    x_t = jax.lax.optimization_barrier(jnp.moveaxis(x, -1, 0))
+    dw = jnp.tensordot(x_t, dy, axes=(tuple(i + 1 for i in lead), lead))
+    return dy @ w.T, dw.astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

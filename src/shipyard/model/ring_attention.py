@@ -115,31 +115,27 @@ def _forward_block(carry, q, k, v, seen):
     return acc, m_new, l * corr + jnp.sum(p, axis=-1)
 
 
-def _visit(update, state, q_parts, kv_parts):
-    """Run `update(state_i, q_i, kv_j, seen)` for every (query half i, key half j) pair the mask does
-    not wholly hide; `state` is a list (one entry per query half) and a key-side accumulator."""
-    q_states, k_state = state
-    q_states = list(q_states)
-    k_state = list(k_state)
-    for i, (qh, qs, qseg) in enumerate(q_parts):
-        for j, (kvh, ks, kseg) in enumerate(kv_parts):
-            seen = _seen(qs, ks, qseg, kseg, q_parts.window)
+def _parts(arrays, axes, slots, seg) -> list:
+    """A chunk in halves: per half (the arrays' halves, split along `axes`, its slots, its segment ids)."""
+    halves = zip(*[_halves(a, ax) for a, ax in zip(arrays, axes)])
+    return list(zip(halves, _halves(slots, 0), _halves(seg)))
 
-            def run(operands, qh=qh, kvh=kvh, seen=seen):
-                return update(*operands, qh, kvh, seen)
 
-            q_states[i], k_state[j] = jax.lax.cond(
-                jnp.any(seen), run, lambda operands: operands, (q_states[i], k_state[j])
+def _visit(update, q_states: list, k_states: list, q_parts, kv_parts, window):
+    """Run `(q_state, k_state) = update(q_state, k_state, q_arrays, kv_arrays, seen)` for every
+    (query half i, key half j) block the mask does not wholly hide: (q_states, k_states)."""
+    q_states, k_states = list(q_states), list(k_states)
+    for i, (qa, qs, qseg) in enumerate(q_parts):
+        for j, (ka, ks, kseg) in enumerate(kv_parts):
+            seen = _seen(qs, ks, qseg, kseg, window)
+
+            def run(states, qa=qa, ka=ka, seen=seen):
+                return update(*states, qa, ka, seen)
+
+            q_states[i], k_states[j] = jax.lax.cond(
+                jnp.any(seen), run, lambda states: states, (q_states[i], k_states[j])
             )
-    return q_states, k_state
-
-
-class _Parts(list):
-    """Halves of a chunk: (arrays, slots, segment ids) per half, and the window."""
-
-    def __init__(self, arrays, slots, seg, window):
-        super().__init__(zip(zip(*[_halves(a) for a in arrays]), _halves(slots, 0), _halves(seg)))
-        self.window = window
+    return q_states, k_states
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -147,30 +143,24 @@ def _ring_attend(q, k, v, slots, seg, window, n):
     return _ring_forward(q, k, v, slots, seg, window, n)[0]
 
 
+def _forward_update(q_state, k_state, qa, ka, seen):
+    return _forward_block(q_state, qa[0], ka[0], ka[1], seen), k_state
+
+
 def _ring_forward(q, k, v, slots, seg, window, n):
     """(output in q's dtype, logsumexp [batch, kv_heads, group, T] fp32) of this device's queries."""
     B, T, K, G, D = q.shape
-    q_parts = _Parts((q,), slots, seg, window)
     h = T // _HALVES
-    states = [
-        _varying(
-            (jnp.zeros((B, h, K, G, D), jnp.float32), jnp.full((B, K, G, h), _NEG), jnp.zeros((B, K, G, h)))
-        )
-        for _ in range(_HALVES)
-    ]
-
-    def update(q_state, k_state, qh, kvh, seen):
-        return _forward_block(q_state, qh[0], kvh[0], kvh[1], seen), k_state
-
+    start = (jnp.zeros((B, h, K, G, D), jnp.float32), jnp.full((B, K, G, h), _NEG), jnp.zeros((B, K, G, h)))
+    states = [_varying(start) for _ in range(_HALVES)]
+    q_parts = _parts((q,), (1,), slots, seg)
     kv = (k, v, slots, seg)
     for step in range(n):
-        kv_parts = _Parts(kv[:2], kv[2], kv[3], window)
-        states, _ = _visit(update, (states, [None] * _HALVES), q_parts, kv_parts)
+        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3])
+        states, _ = _visit(_forward_update, states, [None] * _HALVES, q_parts, kv_parts, window)
         if step < n - 1:
             kv = _shift(kv, n)
-    acc = jnp.concatenate([s[0] for s in states], axis=1)
-    m = jnp.concatenate([s[1] for s in states], axis=-1)
-    l = jnp.concatenate([s[2] for s in states], axis=-1)
+    acc, m, l = (jnp.concatenate(parts, axis=ax) for parts, ax in zip(zip(*states), (1, -1, -1)))
     out = acc / jnp.moveaxis(l, -1, 1)[..., None]
     return out.astype(q.dtype), m + jnp.log(l)
 
@@ -180,11 +170,9 @@ def _ring_fwd(q, k, v, slots, seg, window, n):
     return out, (q, k, v, slots, seg, window, out, lse)
 
 
-def _backward_block(q_state, k_state, qh, kvh, seen):
+def _backward_block(dq, dkv, qa, ka, seen):
     """One block's share of dq (query side) and dk, dv (key side), from recomputed probabilities."""
-    (q, do, lse, delta), (k, v) = qh, kvh
-    dq = q_state
-    dk, dv = k_state
+    (q, do, lse, delta), (k, v), (dk, dv) = qa, ka, dkv
     p = jnp.where(seen[:, None, None], jnp.exp(_scores(q, k, seen) - lse[..., None]), 0.0)
     dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, do.astype(jnp.float32))
     dp = jnp.einsum("btkgd,bskd->bkgts", do, v, preferred_element_type=jnp.float32)
@@ -196,19 +184,17 @@ def _backward_block(q_state, k_state, qh, kvh, seen):
 
 def _ring_bwd(n, res, do):
     q, k, v, slots, seg, window, out, lse = res
+    # delta = rowsum(dO * O), [b, k, g, t] like lse: the softmax backward's correction term.
     delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, -1)
-    # Query-side halves carry (q, do, lse, delta); lse and delta are [b, k, g, t], split on t.
-    q_halves = list(zip(_halves(q), _halves(do), _halves(lse, -1), _halves(delta, -1)))
-    q_parts = _Parts((q,), slots, seg, window)
-    q_parts[:] = [(qh, s, sg) for qh, (_, s, sg) in zip(q_halves, q_parts)]
-    dqs = [_varying(jnp.zeros(qh[0].shape, jnp.float32)) for qh in q_halves]
+    q_parts = _parts((q, do, lse, delta), (1, 1, -1, -1), slots, seg)
+    dqs = [_varying(jnp.zeros(qa[0].shape, jnp.float32)) for qa, _, _ in q_parts]
+    # The key/value gradients travel with their chunk (kv[4:]).
     kv = (k, v, slots, seg, *_varying((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))))
     for step in range(n):
-        kv_parts = _Parts(kv[:2], kv[2], kv[3], window)
+        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3])
         k_states = list(zip(_halves(kv[4]), _halves(kv[5])))
-        dqs, k_states = _visit(_backward_block, (dqs, k_states), q_parts, kv_parts)
-        dk = jnp.concatenate([s[0] for s in k_states], axis=1)
-        dv = jnp.concatenate([s[1] for s in k_states], axis=1)
+        dqs, k_states = _visit(_backward_block, dqs, k_states, q_parts, kv_parts, window)
+        dk, dv = (jnp.concatenate(parts, axis=1) for parts in zip(*k_states))
         # The last hop sends only the key/value gradients: it brings them back to their chunk's device.
         kv = _shift((*kv[:4], dk, dv), n) if step < n - 1 else (*kv[:4], *_shift((dk, dv), n))
     dq = jnp.concatenate(dqs, axis=1)

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
-from shipyard.model import attention, layers, quant
+from shipyard.model import attention, layers, quant, ring_attention
 from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
+from shipyard.parallel.context import context_size
 
 
 @jax.tree_util.register_dataclass
@@ -147,12 +148,27 @@ _REMAT_POLICIES = {
 
 
 def attention_block(
-    cfg: ModelConfig, x: jax.Array, p: BlockParams, cos, sin, segment_ids, window=None, key=None
+    cfg: ModelConfig,
+    x: jax.Array,
+    p: BlockParams,
+    cos,
+    sin,
+    segment_ids,
+    window=None,
+    key=None,
+    slots=None,
+    mesh=None,
 ) -> jax.Array:
-    """x plus the attention branch of one block (`key`: LoRA dropout); see `model.attention`."""
+    """x plus the attention branch of one block (`key`: LoRA dropout); see `model.attention`.
+
+    On a mesh with a context axis the sequence is split over it and attention runs as a ring
+    (`model.ring_attention`); `slots` [seq] are then the positions' original slots (the
+    context order), which the causal and window masks follow."""
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
     # The q|k|v weights are fused here, per layer, so the stored layout and its shardings stay per projection.
     w = attention.attention_weights(p, cfg.num_kv_heads)
+    if context_size(mesh) > 1:
+        return x + ring_attention.self_attention(cfg, h, w, cos, sin, slots, segment_ids, window, mesh, key)
     return x + attention.causal_self_attention(cfg, h, w, cos, sin, segment_ids, window, key)
 
 
@@ -181,6 +197,7 @@ def forward(
     rules=None,
     dropout_key: jax.Array | None = None,
     frozen_layers: int = 0,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq], and MoE routing stats.
 
@@ -196,7 +213,9 @@ def forward(
     conversations restart at 0). `dropout_key` turns on LoRA dropout.
     `frozen_layers` > 0 runs the first that many layers as their own scan
     with the residual stream's gradient stopped after them: when only later
-    layers train, the backward pass never enters the frozen ones.
+    layers train, the backward pass never enters the frozen ones. `slots`
+    ([seq]) are the original slots of a row given in another order (context
+    parallelism's, `parallel.context`): masks follow them (None: in order).
     """
 
     def constrain(x):
@@ -210,7 +229,7 @@ def forward(
 
     def body(x, layer):
         p, window, key = layer
-        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key)
+        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key, slots, mesh)
         x, stats = mlp_block(cfg, x, p, mesh, rules, key)
         return constrain(x), stats
 

@@ -23,7 +23,7 @@ Rules = Mapping[str, tuple[str, ...]]
 
 # Default rules: FSDP shards parameters along `embed`; tensor parallelism splits
 # heads, MLP width and vocabulary; the batch is split over every axis that
-# holds a different data slice.
+# holds a different data slice; context parallelism splits the sequence.
 DEFAULT_RULES: Rules = {
     "batch": ("data", "fsdp", "expert"),
     "embed": ("fsdp",),
@@ -33,7 +33,7 @@ DEFAULT_RULES: Rules = {
     "vocab": ("tensor",),
     "experts": ("expert",),
     "expert_mlp": ("tensor",),
-    "seq": (),
+    "seq": ("context",),
     "head_dim": (),
     "layers": (),
     "lora_rank": (),

@@ -22,6 +22,7 @@ from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
 from shipyard.model.params import abstract_params, param_shardings
+from shipyard.parallel.context import check_config as check_context
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train import offload
 from shipyard.train.finetune import Partition
@@ -213,9 +214,11 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
 
     `eos_id` is the data's EOS id, used only with data.document_masking (data.eos_id takes
     precedence; see `document_eos_id`). Raises ConfigError when the global batch does not
-    split over the data-parallel devices. Compiles the state's init (never runs it) for the
+    split over the data-parallel devices, or context parallelism cannot split the
+    sequences (`parallel.context.check_config`). Compiles the state's init (never runs it) for the
     state's shardings.
     """
+    check_context(cfg)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     check_offload(cfg, mesh)
     rules = rules_for(cfg.mesh)

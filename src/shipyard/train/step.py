@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from shipyard.config import Config
@@ -20,6 +21,7 @@ from shipyard.data.preference import pair_slots
 from shipyard.model import layers, transformer
 from shipyard.model.moe import MoEStats
 from shipyard.model.transformer import TransformerParams, output_weights
+from shipyard.parallel.context import context_size, zigzag_order
 from shipyard.train import offload
 from shipyard.train.chunked_loss import head_loss_sums, num_chunks
 from shipyard.train.finetune import Partition
@@ -120,12 +122,50 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def _model_inputs(batch: dict, eos_id: int | None) -> dict:
+def _model_inputs(batch: dict, eos_id: int | None, order=None) -> dict:
     """Forward-pass keyword arguments for a batch: segment ids and positions when the batch
-    carries them (packed chats), else segment ids from EOS positions (document masking)."""
+    carries them (packed chats), else segment ids from EOS positions (document masking); for a
+    batch in the context order (`_context_view`) its own, and the `order` as the slots."""
+    if "inputs" in batch:
+        return {"segment_ids": batch.get("segment_ids"), "positions": batch["positions"], "slots": order}
     if "segment_ids" in batch:
         return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
     return {"segment_ids": segment_ids(batch["tokens"][:, :-1], eos_id)}
+
+
+def _inputs(batch: dict) -> jax.Array:
+    """The model's input tokens [B, L] of a batch (or of its context-ordered view)."""
+    return batch["inputs"] if "inputs" in batch else batch["tokens"][:, :-1]
+
+
+def _targets(batch: dict) -> jax.Array:
+    """The next-token targets [B, L] of a batch (or of its context-ordered view)."""
+    return batch["targets"] if "targets" in batch else batch["tokens"][:, 1:]
+
+
+def context_order(seq_len: int, activation_sharding, rules) -> np.ndarray | None:
+    """The zig-zag order rows take under context parallelism (`parallel.context`), None without it:
+    when the residual stream's layout splits seq over the context axis."""
+    mesh = getattr(activation_sharding, "mesh", None) if rules is not None else None
+    context = context_size(mesh)
+    return None if context == 1 else zigzag_order(seq_len, context)
+
+
+def _context_view(batch: dict, eos_id: int | None, order: np.ndarray) -> dict:
+    """The batch with every position in the context `order`: inputs and targets [B, L], loss mask,
+    segment ids and RoPE positions permuted together. Segment ids (from EOS or the batch) and
+    positions are taken before permuting, so each token keeps its document and position; the
+    summed loss does not depend on the order."""
+    tokens = batch["tokens"]
+    kw = _model_inputs(batch, eos_id)
+    positions = kw.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), (tokens.shape[0], tokens.shape[1] - 1))
+    view = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions}
+    if kw["segment_ids"] is not None:
+        view["segment_ids"] = kw["segment_ids"]
+    view.update({k: v for k, v in batch.items() if k not in ("tokens", "segment_ids", "positions")})
+    return {k: v[:, order] for k, v in view.items()}
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity, as jit needs
@@ -149,7 +189,7 @@ class GradientFn:
     def token_sums(self, p, h, mb) -> LossSums:
         """Next-token LossSums of final hidden states `h` through `p`'s head, in chunks of at most
         train.loss_chunk_tokens tokens per device (see train/chunked_loss.py)."""
-        targets = mb["tokens"][:, 1:]
+        targets = _targets(mb)
         chunks = num_chunks(targets.shape, self.cfg.train.loss_chunk_tokens, self.activation_sharding)
         return head_loss_sums(h, output_weights(p), targets, mb["loss_mask"], chunks)
 
@@ -157,14 +197,23 @@ class GradientFn:
         """(final hidden states [batch, seq, embed], MoEStats | None) of the model `p` on `mb`."""
         return transformer.forward(
             p,
-            mb["tokens"][:, :-1],
+            _inputs(mb),
             self.cfg.model,
             activation_sharding=self.activation_sharding,
             rules=self.rules,
             dropout_key=key,
             frozen_layers=self.partition.frozen_layers,
-            **_model_inputs(mb, self.eos_id),
+            **_model_inputs(mb, self.eos_id, self.order()),
         )
+
+    def order(self) -> np.ndarray | None:
+        """The context order of rows (see `context_order`), None without context parallelism."""
+        return context_order(self.cfg.data.seq_len, self.activation_sharding, self.rules)
+
+    def context_view(self, batch: dict) -> dict:
+        """The batch as the model sees it: in the context order under context parallelism."""
+        order = self.order()
+        return batch if order is None else _context_view(batch, self.eos_id, order)
 
     def with_moe_losses(self, loss, stats):
         """(loss plus the MoE balance losses, the stats averaged over microbatches)."""
@@ -217,6 +266,7 @@ class GradientFn:
         return LossSums(*(jnp.zeros((), jnp.float32) for _ in range(4)))
 
     def __call__(self, params, frozen, batch, loss_scale, key=None):
+        batch = self.context_view(batch)
         total_tokens = self.normaliser(batch)
         n_micro = self.cfg.train.microbatches
         if n_micro == 1:
@@ -240,6 +290,11 @@ class PreferenceGradientFn(GradientFn):
 
     def normaliser(self, batch) -> jax.Array:
         return jnp.maximum(jnp.sum(batch["pair_mask"].astype(jnp.float32)), 1.0)
+
+    def context_view(self, batch: dict) -> dict:
+        # Pairs stay in their order (pair slots and per-row arrays would need the permutation too):
+        # the ring attention is exact in any order, only less balanced.
+        return batch
 
     def zero_sums(self) -> PreferenceSums:
         return PreferenceSums(**{f.name: jnp.zeros((), jnp.float32) for f in fields(PreferenceSums)})

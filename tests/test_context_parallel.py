@@ -1,0 +1,249 @@
+"""Context parallelism: sequences split over the `context` mesh axis, attention as a ring.
+
+The ring (model/ring_attention.py) equals the one-device attention forward and backward; a model
+trained with context = 2 and 4 (document masking, sliding windows, packed chats, combined with
+fsdp and tensor, and a MoE model with expert parallelism) gives the one-device losses, grad norms
+and every gradient; the residual stream really is split along seq on the devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shipyard.config import MeshConfig, load_config
+from shipyard.data.loader import build_loader
+from shipyard.errors import ConfigError
+from shipyard.model import attention
+from shipyard.model.params import init_params
+from shipyard.model.ring_attention import ring_attention
+from shipyard.parallel.context import check_config, zigzag_order
+from shipyard.parallel.mesh import make_mesh
+from shipyard.train.program import activation_sharding, build_program
+from shipyard.train.step import init_state, make_gradient_fn
+
+TINY = [
+    "train.global_batch_size=4",
+    "data.seq_len=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+]
+DOCS = ["data.document_masking=true", "data.eos_id=10"]  # byte 10 (newline): many short documents
+WINDOW = ["model.sliding_window=6", "model.global_attention_every=2", "train.microbatches=2"]
+
+
+def _assert_trees_close(got_tree, want_tree, tol=1e-5) -> None:
+    """Every leaf within `tol` of the reference, relative to that leaf's norm."""
+    for (path, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
+    ):
+        scale = np.linalg.norm(want)
+        error = np.linalg.norm(np.asarray(got) - want) / max(scale, 1e-30)
+        assert error < tol or (scale == 0 and np.linalg.norm(got) == 0), (jax.tree_util.keystr(path), error)
+
+
+# ----------------------------------------------------------------------------- the order
+
+
+@pytest.mark.parametrize("context", [2, 4])
+def test_zigzag_order_gives_each_device_an_early_and_a_late_chunk(context):
+    L = 8 * context
+    order = zigzag_order(L, context)
+    assert sorted(order.tolist()) == list(range(L))  # a permutation
+    chunk = L // (2 * context)
+    shares = order.reshape(context, 2, chunk)
+    for i, (early, late) in enumerate(shares):
+        assert early.tolist() == list(range(i * chunk, (i + 1) * chunk))
+        assert late.tolist() == list(range((2 * context - 1 - i) * chunk, (2 * context - i) * chunk))
+    # causal work (query, key) pairs per device are equal: the point of the order
+    work = [int(np.sum(s.reshape(-1)[:, None] >= np.arange(L)[None, :])) for s in shares]
+    assert len(set(work)) == 1, work
+
+
+def test_unsupported_context_configs_are_refused():
+    with pytest.raises(ConfigError, match=r"data.seq_len=30 .* divisible by 4"):
+        check_config(load_config("tiny", ["mesh.context=2", "data.seq_len=30"]))
+    with pytest.raises(ConfigError, match="mesh.context=-1"):
+        check_config(load_config("tiny", ["mesh.context=-1", "mesh.data=1"]))
+    with pytest.raises(ConfigError, match="mesh.rules.seq"):
+        check_config(load_config("tiny", ["mesh.context=2", "mesh.rules={seq: [tensor]}"]))
+
+
+# ----------------------------------------------------------------------------- the ring itself
+
+
+def test_ring_attention_equals_one_device_attention_forward_and_backward():
+    """Zig-zag ordered q/k/v over context=4 (x data=2), GQA, documents and a window: the output and
+    the gradients of q, k, v equal `attention.attend` over the [L, L] mask in the original order."""
+    C, B, L, K, G, D = 4, 2, 32, 2, 2, 8
+    mesh = make_mesh(MeshConfig(data=2, context=C), jax.devices())
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, L, K, G, D))
+    k, v = jax.random.normal(keys[1], (B, L, K, D)), jax.random.normal(keys[2], (B, L, K, D))
+    seg = jnp.cumsum(jax.random.uniform(keys[3], (B, L)) < 0.15, axis=1).astype(jnp.int32)
+    window = jnp.int32(7)
+    order = jnp.asarray(zigzag_order(L, C))
+    back = jnp.argsort(order)
+
+    def reference(q, k, v):
+        slots = jnp.arange(L)
+        return attention.attend(q, k, v, attention.mask(slots, slots, window, seg))
+
+    def ring(q, k, v):
+        out = ring_attention(q[:, order], k[:, order], v[:, order], order, seg[:, order], window, mesh)
+        return out[:, back]
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2)))
+
+    want_out, got_out = jax.jit(reference)(q, k, v), jax.jit(ring)(q, k, v)
+    assert float(jnp.max(jnp.abs(got_out - want_out))) < 1e-5
+    (want, want_grads), (got, got_grads) = loss(reference)(q, k, v), loss(ring)(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _assert_trees_close(got_grads, want_grads)
+
+
+# ----------------------------------------------------------------------------- the train step
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    grad_norms: list[float]
+    gradients: list
+    """Full-batch gradients (host arrays) at the initial and at the final params."""
+
+
+def _run(preset: str, overrides: list[str], mesh_cfg: MeshConfig, devices: int, tokens, steps=5) -> Run:
+    """`steps` train steps of the program of `preset` + `overrides` on `mesh_cfg` over the first
+    `devices` devices, and the gradients of its gradient function before and after."""
+    cfg = load_config(preset, overrides).model_copy(update={"mesh": mesh_cfg})
+    program = build_program(cfg, make_mesh(mesh_cfg, jax.devices()[:devices]))
+    state = init_state(
+        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
+    )
+    B, L = cfg.train.global_batch_size, cfg.data.seq_len
+    act = activation_sharding(cfg, program.mesh, program.rules, B)
+    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
+    gradients = jax.jit(
+        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
+        in_shardings=(program.shardings, program.batch_shardings),
+    )
+    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
+    mask = np.ones((B, L), np.float32)
+    mask[:, : L // 4] = 0.0  # a loss mask that the permutation must carry along
+
+    def batch(s):
+        return jax.device_put({"tokens": loader.global_batch(s), "loss_mask": mask}, program.batch_shardings)
+
+    grads = [jax.device_get(gradients(state.params, batch(0)))]
+    losses, grad_norms = [], []
+    for s in range(steps):
+        state, m = program.train_step(state, batch(s), None)
+        losses.append(float(m["loss"]))
+        grad_norms.append(float(m["grad_norm"]))
+    grads.append(jax.device_get(gradients(state.params, batch(steps))))
+    return Run(losses, grad_norms, grads)
+
+
+def _assert_same_run(run: Run, ref: Run) -> None:
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
+    for got, want in zip(run.gradients, ref.gradients):
+        _assert_trees_close(got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(byte_tokens):
+    return _run("tiny", TINY + DOCS + WINDOW, MeshConfig(data=1), 1, byte_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh_cfg,devices",
+    [(MeshConfig(data=2, context=4), 8), (MeshConfig(data=1, fsdp=2, context=2, tensor=2), 8)],
+    ids=["data=2,context=4", "fsdp=2,context=2,tensor=2"],
+)
+def test_context_steps_equal_one_device(reference, byte_tokens, mesh_cfg, devices):
+    """Document masking, a loss mask, per-layer windows (every second layer global) under scan and
+    two microbatches: 5 steps' losses and grad norms, and every gradient before and after."""
+    _assert_same_run(_run("tiny", TINY + DOCS + WINDOW, mesh_cfg, devices, byte_tokens), reference)
+
+
+@pytest.mark.slow
+def test_moe_with_context_and_expert_parallelism_equals_one_device(byte_tokens):
+    """The MoE layer's own shard_map (experts over `expert`, tokens split over batch and seq)
+    composes with the ring: moe-tiny shrunk (its leading dense layer and one MoE layer of 4
+    experts), context=2 x expert=2, with document masking."""
+    moe = (
+        TINY
+        + DOCS
+        + ["model.num_layers=2", "model.moe.num_experts=4", "model.moe.expert_intermediate_size=32"]
+    )
+    ref = _run("moe-tiny", moe, MeshConfig(data=1), 1, byte_tokens)
+    _assert_same_run(_run("moe-tiny", moe, MeshConfig(data=1, context=2, expert=2), 4, byte_tokens), ref)
+
+
+def test_packed_chat_gradients_equal_one_device():
+    """Packed conversations (batch segment ids, positions restarting at 0, padding as segment -1, a
+    loss mask on replies only) under context=4 x tensor=2 with a sliding window: causality by slot,
+    RoPE by the batch's positions; the loss and every gradient equal one device's."""
+    cfg = load_config("tiny", TINY + ["model.sliding_window=5", "model.num_layers=1"])
+    B, L = cfg.train.global_batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(0)
+    segments = np.sort(rng.integers(0, 3, (B, L)), axis=1)
+    segments[:, -3:] = -1  # padding at each row's end
+    starts = np.maximum.accumulate(
+        np.where(np.diff(segments, prepend=-2, axis=1) != 0, np.arange(L), 0), axis=1
+    )
+    batch = {
+        "tokens": rng.integers(0, 256, (B, L + 1)).astype(np.int32),
+        "loss_mask": (rng.random((B, L)) < 0.6).astype(np.float32) * (segments >= 0),
+        "segment_ids": segments.astype(np.int32),
+        "positions": (np.arange(L) - starts).astype(np.int32),
+    }
+
+    def gradients(mesh_cfg, devices):
+        c = cfg.model_copy(update={"mesh": mesh_cfg})
+        program = build_program(c, make_mesh(mesh_cfg, jax.devices()[:devices]))
+        params = init_params(program.specs, jax.random.key(0), program.shardings)
+        act = activation_sharding(c, program.mesh, program.rules, B)
+        fn = make_gradient_fn(c, None, act, program.rules, program.partition)
+        grads, sums, _ = jax.jit(lambda p, b: fn(p, None, b, 1.0))(params, batch)
+        return float(sums.ce), jax.device_get(grads)
+
+    want_loss, want = gradients(MeshConfig(data=1), 1)
+    got_loss, got = gradients(MeshConfig(data=1, context=4, tensor=2), 8)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    _assert_trees_close(got, want)
+
+
+# ----------------------------------------------------------------------------- really split
+
+
+def test_activations_are_split_along_seq():
+    """The residual stream is laid out [batch, seq/context, embed], the ring's collective-permutes
+    are in the compiled train step, and each of the 4 devices needs well under half the temporary
+    memory of one device running the whole step: a replicated sequence (or one gathered by a
+    reshape that merges batch and seq) would cost about as much as one device."""
+    overrides = ["train.global_batch_size=2", "data.seq_len=256", "model.hidden_size=32"]
+    overrides += ["model.intermediate_size=512", "model.num_layers=1", "model.remat=none", "mesh.data=1"]
+
+    def compiled(context: int):
+        cfg = load_config("tiny", overrides + [f"mesh.context={context}"])
+        mesh = make_mesh(cfg.mesh, jax.devices()[:context])
+        program = build_program(cfg, mesh)
+        act = activation_sharding(cfg, mesh, program.rules, 2)
+        return program.lower_train_step().compile(), act
+
+    split, act = compiled(4)
+    assert act.is_equivalent_to(NamedSharding(act.mesh, PartitionSpec(None, "context", None)), 3)
+    assert "collective-permute" in split.as_text()  # the ring
+    whole, _ = compiled(1)
+    ratio = split.memory_analysis().temp_size_in_bytes / whole.memory_analysis().temp_size_in_bytes
+    assert ratio < 0.4, ratio
