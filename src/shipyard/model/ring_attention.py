@@ -62,9 +62,12 @@ def ring_attention(
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     win = jnp.asarray(2**30 if window is None else window, jnp.int32)
     seq = PartitionSpec(None, AXIS)
+    # Inside another shard_map (a pipeline stage, manual over `pipeline`) a nested one must take the
+    # abstract mesh of that context; the ring is manual over `context` alone either way.
+    here = jax.sharding.get_abstract_mesh()
     fn = jax.shard_map(
         partial(_ring, n=n),
-        mesh=mesh,
+        mesh=mesh if here.empty or not here.manual_axes else here,
         in_specs=(seq, seq, seq, PartitionSpec(AXIS), seq, PartitionSpec()),
         out_specs=seq,
         axis_names={AXIS},
