@@ -429,6 +429,15 @@ class OffloadConfig(Schema):
     """Also keep the fp32 master params in pinned host memory; each step copies them to the device for the forward pass and the update, and back."""
 
 
+class PipelineConfig(Schema):
+    """The pipeline schedule over mesh.pipeline stages (parallel/pipeline.py): each step's batch flows through the stages in microbatches."""
+
+    microbatches: int = Field(gt=0)
+    """Microbatches each step's batch (per train.microbatches slice) is split into; their gradients add up to the whole batch's. More microbatches shrink the bubble, (pipeline - 1) / (microbatches x repeats + pipeline - 1)."""
+    repeats: int = Field(1, gt=0)
+    """Rounds of the circular schedule: each stage holds this many non-contiguous chunks of layers and every microbatch circles the stages this many times (1: GPipe). Needs microbatches >= mesh.pipeline when above 1, and num_layers (the MoE layers, for a MoE model) divisible by pipeline x repeats."""
+
+
 class TrainConfig(Schema):
     """The optimisation loop."""
 
@@ -438,6 +447,8 @@ class TrainConfig(Schema):
     """Sequences per step across all devices."""
     microbatches: int = Field(1, gt=0)
     """Split each step's batch into this many sequential microbatches (gradient accumulation)."""
+    pipeline: PipelineConfig | None = None
+    """The pipeline schedule (microbatches, repeats) when mesh.pipeline > 1 splits the layers into stages; also runs on one stage (the same microbatched forward). null: no pipeline schedule."""
     seed: int = 0
     """Seed for parameter initialisation and dropout, and for the data order unless data.seed is set."""
     z_loss: float = Field(0.0, ge=0)

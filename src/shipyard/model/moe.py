@@ -289,6 +289,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _sharded(h, p: MoEParams, moe: MoEConfig, mesh: Mesh, rules):
     from shipyard.parallel.mesh import logical_to_pspec
+    from shipyard.parallel.pipeline import nested_mesh
 
     B, S, E = h.shape
     X = moe.num_experts
@@ -337,10 +338,10 @@ def _sharded(h, p: MoEParams, moe: MoEConfig, mesh: Mesh, rules):
         return y.reshape(b, s, E), stats_from_sums(sums, dropped, moe)
 
     stats_spec = MoEStats(PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec())
+    # Inside a pipeline stage the `pipeline` axis is manual already: nest over the other axes.
+    inner_mesh, axis_names = nested_mesh(mesh)
+    specs = (act_spec, PartitionSpec(), PartitionSpec(), w_spec, w_spec, down_spec)
     fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(act_spec, PartitionSpec(), PartitionSpec(), w_spec, w_spec, down_spec),
-        out_specs=(act_spec, stats_spec),
+        body, mesh=inner_mesh, in_specs=specs, out_specs=(act_spec, stats_spec), axis_names=axis_names
     )
     return fn(h, p.router, p.router_bias, p.w_gate, p.w_up, p.w_down)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ from shipyard.model import attention, layers, quant, ring_attention
 from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
+from shipyard.parallel import pipeline
 from shipyard.parallel.context import context_size
+from shipyard.parallel.pipeline import Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -187,6 +190,87 @@ def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=N
     return x + y, stats
 
 
+def _layer_body(cfg: ModelConfig, cos, sin, segment_ids, *, slots, constrain, mesh, rules):
+    """The scan body of one block, `(x, (params, window, dropout key)) -> (x, MoEStats | None)`, under the remat policy."""
+
+    def body(x, layer):
+        p, window, key = layer
+        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key, slots, mesh)
+        x, stats = mlp_block(cfg, x, p, mesh, rules, key)
+        return constrain(x), stats
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return body
+
+
+def _scan_stacks(params: TransformerParams, x, cfg: ModelConfig, body, dropout_key, frozen_layers: int):
+    """x through every stack, each one `lax.scan` of `body` (the frozen layers as a scan of their own)."""
+    stats, first = [], 0
+    for (blocks, _), windows in zip(params.stacks(), attention.layer_windows(cfg)):
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        keys = None if dropout_key is None else jax.random.split(jax.random.fold_in(dropout_key, first), n)
+        cut = min(max(frozen_layers - first, 0), n)
+        for lo, hi in ((0, cut), (cut, n)) if 0 < cut < n else ((0, n),):
+            part = (
+                jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], (blocks, windows, keys))
+                if hi - lo < n
+                else (blocks, windows, keys)
+            )
+            x, stats_n = jax.lax.scan(body, x, part, unroll=layers.layer_unroll(cfg.scan_unroll, hi - lo))
+            if first + hi <= frozen_layers:
+                x = jax.lax.stop_gradient(x)
+            if stats_n is not None:
+                stats.append(stats_n)
+        first += n
+    if not stats:
+        return x, None
+    # one entry per scanned part of the MoE stack, each [layers, ...]
+    return x, stats[0] if len(stats) == 1 else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+
+
+def _pipeline_stacks(
+    params: TransformerParams, x, cfg: ModelConfig, schedule: Schedule, activation_sharding, layer, side
+):
+    """x through the stacks as the pipeline `schedule` (parallel/pipeline.py): (x, mean MoEStats | None).
+
+    `layer(cos, sin, segment_ids)` makes the scan body for one microbatch's side inputs `side`
+    (cos, sin, segment_ids): each goes with its microbatch when it is per row, else to every
+    stage whole. The last stack (every layer of a dense model, the MoE layers of a MoE model) is
+    cut into the schedule's chunks. A MoE model's leading dense layers run inside stage 0 in
+    front of its first chunk (a `cond`: the other stages skip them, and stage 0 is that much
+    slower per microbatch); they travel to every stage whole, being few and small next to experts.
+    """
+    stacks, windows = params.stacks(), attention.layer_windows(cfg)
+    main = (stacks[-1][0], windows[len(stacks) - 1])
+    M, rows = schedule.microbatches, x.shape[0]
+    side = dict(zip(("cos", "sin", "segment_ids"), side))
+    extras = {
+        k: pipeline.split_microbatches(v, M) for k, v in side.items() if v is not None and v.shape[0] == rows
+    }
+    shared = {**side, "prefix": (stacks[0][0], windows[0]) if len(stacks) == 2 else None}
+    shared = {k: v for k, v in shared.items() if k not in extras}
+    unroll = layers.layer_unroll(cfg.scan_unroll, jax.tree.leaves(main)[0].shape[0] // schedule.chunks)
+    constrain = pipeline.stage_constraint(activation_sharding)
+
+    def stage(chunk, shared, h, mine, index):
+        inputs = {**shared, **mine}
+        body = layer(inputs["cos"], inputs["sin"], inputs.get("segment_ids"), constrain=constrain)
+        if shared["prefix"] is not None:
+            dense, dense_windows = shared["prefix"]
+
+            def run_prefix(h):
+                return jax.lax.scan(body, h, (dense, dense_windows, None))[0]
+
+            h = jax.lax.cond(index == 0, run_prefix, lambda h: h, h)
+        blocks, chunk_windows = chunk
+        return jax.lax.scan(body, h, (blocks, chunk_windows, None), unroll=unroll)
+
+    micro = pipeline.split_microbatches(x, M)
+    y, stats = pipeline.run(stage, main, shared, micro, extras, activation_sharding.mesh, schedule)
+    return pipeline.merge_microbatches(y), None if stats is None else jax.tree.map(lambda s: s / M, stats)
+
+
 def forward(
     params: TransformerParams,
     tokens: jax.Array,
@@ -198,6 +282,7 @@ def forward(
     dropout_key: jax.Array | None = None,
     frozen_layers: int = 0,
     slots: jax.Array | None = None,
+    pipeline: Schedule | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq], and MoE routing stats.
 
@@ -216,6 +301,10 @@ def forward(
     layers train, the backward pass never enters the frozen ones. `slots`
     ([seq]) are the original slots of a row given in another order (context
     parallelism's, `parallel.context`): masks follow them (None: in order).
+    `pipeline` (a parallel.pipeline.Schedule on `activation_sharding`'s mesh)
+    runs the stacks as that microbatched schedule over the mesh's pipeline
+    stages instead of one scan (see `_pipeline_stacks`); the stats are then
+    the mean over its microbatches.
     """
 
     def constrain(x):
@@ -227,35 +316,15 @@ def forward(
     cos, sin = attention.rope_tables(cfg, positions)
     x = constrain(quant.embed_lookup(params.embed, tokens))
 
-    def body(x, layer):
-        p, window, key = layer
-        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key, slots, mesh)
-        x, stats = mlp_block(cfg, x, p, mesh, rules, key)
-        return constrain(x), stats
-
-    if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    stats, first = [], 0
-    for (blocks, _), windows in zip(params.stacks(), attention.layer_windows(cfg)):
-        n = jax.tree.leaves(blocks)[0].shape[0]
-        keys = None if dropout_key is None else jax.random.split(jax.random.fold_in(dropout_key, first), n)
-        cut = min(max(frozen_layers - first, 0), n)
-        for lo, hi in ((0, cut), (cut, n)) if 0 < cut < n else ((0, n),):
-            part = (
-                jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], (blocks, windows, keys))
-                if hi - lo < n
-                else (blocks, windows, keys)
-            )
-            x, stats_n = jax.lax.scan(body, x, part, unroll=layers.layer_unroll(cfg.scan_unroll, hi - lo))
-            if first + hi <= frozen_layers:
-                x = jax.lax.stop_gradient(x)
-            if stats_n is not None:
-                stats.append(stats_n)
-        first += n
-    if stats:  # one entry per scanned part of the MoE stack, each [layers, ...]
-        stats = stats[0] if len(stats) == 1 else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+    layer = partial(_layer_body, cfg, slots=slots, constrain=constrain, mesh=mesh, rules=rules)
+    if pipeline is None:
+        x, stats = _scan_stacks(params, x, cfg, layer(cos, sin, segment_ids), dropout_key, frozen_layers)
     else:
-        stats = None
+        if dropout_key is not None or frozen_layers:
+            raise ValueError("the pipeline schedule runs without LoRA dropout and frozen layers")
+        x, stats = _pipeline_stacks(
+            params, x, cfg, pipeline, activation_sharding, layer, (cos, sin, segment_ids)
+        )
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
 
 

@@ -35,7 +35,8 @@ DEFAULT_RULES: Rules = {
     "expert_mlp": ("tensor",),
     "seq": ("context",),
     "head_dim": (),
-    "layers": (),
+    # Pipeline stages hold contiguous blocks of layers (parallel/pipeline.py regroups them per step).
+    "layers": ("pipeline",),
     "lora_rank": (),
 }
 

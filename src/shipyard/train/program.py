@@ -24,6 +24,7 @@ from shipyard.errors import ConfigError
 from shipyard.model.params import abstract_params, param_shardings
 from shipyard.parallel.context import check_config as check_context
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
+from shipyard.parallel.pipeline import Schedule, check_schedule, schedule_for
 from shipyard.train import offload
 from shipyard.train.finetune import Partition
 from shipyard.train.optim import build_optimizer
@@ -197,6 +198,24 @@ def activation_sharding(cfg: Config, mesh: Mesh, rules: dict, rows: int) -> Name
     return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
 
 
+def pipeline_schedule(cfg: Config, mesh: Mesh) -> Schedule | None:
+    """The pipeline schedule of `cfg` on `mesh` (None without train.pipeline), checked: ConfigError
+    when mesh.pipeline > 1 has no train.pipeline, the layers or the batch do not split as it needs, or
+    only part of the model trains (the schedule has no frozen layers or LoRA dropout)."""
+    schedule = schedule_for(cfg, mesh)
+    if schedule is None:
+        return None
+    if cfg.train.finetune is not None:
+        raise ConfigError(
+            "train.pipeline: the pipeline schedule trains every parameter; set train.finetune: null "
+            "(or train.pipeline: null and mesh.pipeline=1 to fine-tune)"
+        )
+    model = cfg.model
+    layers = model.num_moe_layers if model.moe is not None else model.num_layers
+    check_schedule(schedule, layers, cfg.train.global_batch_size // cfg.train.microbatches)
+    return schedule
+
+
 def check_offload(cfg: Config, mesh: Mesh) -> None:
     """ConfigError when train.offload cannot run: a backend without pinned host memory
     (`offload.check`), or master params offloaded for preference tuning, whose reference and
@@ -232,7 +251,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     state = abstract_state(cfg, specs, shardings, optimizer)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
     batch_size = cfg.train.global_batch_size
-    micro = activation_sharding(cfg, mesh, rules, batch_size // cfg.train.microbatches)
+    schedule = pipeline_schedule(cfg, mesh)
+    rows = batch_size // cfg.train.microbatches // (schedule.microbatches if schedule else 1)
+    micro = activation_sharding(cfg, mesh, rules, rows)
     reference = state_shardings.params if reference_on_the_fly(cfg) else None
     more = () if reference is None else (reference,)
     train_step = jax.jit(
@@ -241,7 +262,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    full = activation_sharding(cfg, mesh, rules, batch_size)
+    full = activation_sharding(cfg, mesh, rules, batch_size // (schedule.microbatches if schedule else 1))
     eval_keys = tuple(batch_shardings) if cfg.data.chat or cfg.data.preference else ("tokens",)
     eval_shardings = (state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys})
     if cfg.data.preference is None:

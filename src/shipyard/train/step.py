@@ -22,6 +22,7 @@ from shipyard.model import layers, transformer
 from shipyard.model.moe import MoEStats
 from shipyard.model.transformer import TransformerParams, output_weights
 from shipyard.parallel.context import context_size, zigzag_order
+from shipyard.parallel.pipeline import Schedule, schedule_for
 from shipyard.train import offload
 from shipyard.train.chunked_loss import head_loss_sums, num_chunks
 from shipyard.train.finetune import Partition
@@ -203,8 +204,13 @@ class GradientFn:
             rules=self.rules,
             dropout_key=key,
             frozen_layers=self.partition.frozen_layers,
+            pipeline=self.schedule(),
             **_model_inputs(mb, self.eos_id, self.order()),
         )
+
+    def schedule(self) -> Schedule | None:
+        """The pipeline schedule of train.pipeline on the activations' mesh (None: no pipeline)."""
+        return schedule_for(self.cfg, getattr(self.activation_sharding, "mesh", None))
 
     def order(self) -> np.ndarray | None:
         """The context order of rows (see `context_order`), None without context parallelism."""
@@ -550,6 +556,7 @@ def make_eval_step(
             cfg.model,
             activation_sharding=activation_sharding,
             rules=rules,
+            pipeline=schedule_for(cfg, getattr(activation_sharding, "mesh", None)),
             **_model_inputs(batch, eos_id),
         )
         targets = tokens[:, 1:]

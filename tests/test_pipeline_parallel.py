@@ -1,0 +1,213 @@
+"""Pipeline parallelism (parallel/pipeline.py): the schedule equals running the layers in order, and
+training on a mesh with pipeline stages equals one device (loss, grad_norm, every gradient)."""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shipyard.config import MeshConfig, load_config
+from shipyard.data.loader import build_loader
+from shipyard.errors import ConfigError
+from shipyard.model.params import init_params
+from shipyard.parallel import pipeline
+from shipyard.parallel.mesh import make_mesh
+from shipyard.train.program import TrainProgram, activation_sharding, build_program
+from shipyard.train.step import TrainState, init_state, make_gradient_fn
+
+B, L = 8, 32
+TINY = [
+    f"train.global_batch_size={B}",
+    f"data.seq_len={L}",
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+]
+MOE = [*TINY, "model.num_layers=5", "model.moe.expert_intermediate_size=32"]  # 1 dense + 4 MoE layers
+
+
+# ----------------------------------------------------------------------------- the schedule alone
+
+
+def test_bubble_fraction():
+    assert pipeline.bubble_fraction(1, 4) == 0.0
+    assert pipeline.bubble_fraction(2, 1) == pytest.approx(1 / 2)
+    assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)  # GPipe: (P-1)/(M+P-1)
+    assert pipeline.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)  # circular: (P-1)/(MR+P-1)
+    assert pipeline.Schedule(4, 8, 2).ticks == 19
+
+
+def test_stages_hold_the_circular_chunks_and_layer_order_comes_back():
+    layers = jnp.arange(16)
+    staged = pipeline.to_stages(layers, pipeline.Schedule(stages=2, microbatches=4, repeats=4))
+    assert staged.shape == (2, 4, 2)
+    # stage p, round r holds chunk r*P + p: stage 0 has layers 0-1, 4-5, 8-9, 12-13
+    np.testing.assert_array_equal(staged[0].reshape(-1), [0, 1, 4, 5, 8, 9, 12, 13])
+    np.testing.assert_array_equal(staged[1, 2], [10, 11])
+    np.testing.assert_array_equal(pipeline.to_layers(staged), layers)
+    x = jnp.arange(24).reshape(6, 4)
+    np.testing.assert_array_equal(pipeline.merge_microbatches(pipeline.split_microbatches(x, 3)), x)
+
+
+def _toy_stage(chunk, shared, x, extras, index):
+    """A chunk of toy layers (x -> tanh(x @ w + b) * scale); the first chunk adds `shared["first"]` first;
+    per-layer aux: the mean of each layer's output."""
+    x = jnp.where(index == 0, x + shared["first"], x)
+
+    def layer(x, wb):
+        w, b = wb
+        x = jnp.tanh(x @ w + b) * extras["scale"][:, None]
+        return x, jnp.mean(x)
+
+    return jax.lax.scan(layer, x, chunk)
+
+
+def _toy_sequential(params, first, x, scale):
+    """The same layers in order on the whole batch."""
+    w, b = params
+    x = x + first
+    aux = []
+    for i in range(w.shape[0]):
+        x = jnp.tanh(x @ w[i] + b[i]) * scale[:, None]
+        aux.append(x)
+    return x, aux
+
+
+@pytest.mark.parametrize(
+    "stages,microbatches,repeats", [(2, 2, 1), (4, 2, 1), (2, 4, 2), (4, 4, 2), (2, 3, 4)]
+)
+def test_schedule_equals_the_layers_in_order(stages, microbatches, repeats):
+    mesh = make_mesh(MeshConfig(pipeline=stages, data=1), jax.devices()[:stages])
+    schedule = pipeline.Schedule(stages, microbatches, repeats)
+    n, rows, width = 8, 6 * microbatches, 8
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = (
+        jax.random.normal(keys[0], (n, width, width)) / np.sqrt(width),
+        0.1 * jax.random.normal(keys[1], (n, width)),
+    )
+    first = 0.5 * jax.random.normal(keys[2], (width,))
+    x = jax.random.normal(keys[3], (rows, width))
+    scale = 1 + 0.1 * jax.random.normal(keys[4], (rows,))
+
+    def piped(params, first, x):
+        split = pipeline.split_microbatches
+        out, aux = pipeline.run(
+            _toy_stage,
+            params,
+            {"first": first},
+            split(x, microbatches),
+            {"scale": split(scale, microbatches)},
+            mesh,
+            schedule,
+        )
+        return pipeline.merge_microbatches(out), aux
+
+    def loss_piped(params, first, x):
+        y, aux = piped(params, first, x)
+        return jnp.sum(y * jnp.arange(width)) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
+
+    def loss_sequential(params, first, x):
+        y, outs = _toy_sequential(params, first, x, scale)
+        # the schedule sums each layer's per-microbatch mean over microbatches
+        split = pipeline.split_microbatches
+        aux = jnp.stack([jnp.sum(jnp.mean(split(o, microbatches), axis=(1, 2))) for o in outs])
+        return jnp.sum(y * jnp.arange(width)) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
+
+    (got, got_aux), got_grads = jax.jit(jax.value_and_grad(loss_piped, argnums=(0, 1, 2), has_aux=True))(
+        params, first, x
+    )
+    (want, want_aux), want_grads = jax.value_and_grad(loss_sequential, argnums=(0, 1, 2), has_aux=True)(
+        params, first, x
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_aux, want_aux, rtol=1e-5, atol=1e-6)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5
+
+
+def test_schedule_refusals():
+    with pytest.raises(ConfigError, match="do not split into mesh.pipeline=2 x repeats=2"):
+        pipeline.check_schedule(pipeline.Schedule(2, 4, 2), layers=6, rows=8)
+    with pytest.raises(ConfigError, match="microbatches=3 does not divide the 8 sequences"):
+        pipeline.check_schedule(pipeline.Schedule(2, 3), layers=4, rows=8)
+    with pytest.raises(ConfigError, match="needs microbatches >= mesh.pipeline=4"):
+        pipeline.check_schedule(pipeline.Schedule(4, 2, 2), layers=8, rows=8)
+    cfg = load_config("tiny", [*TINY, "mesh.pipeline=2"])
+    with pytest.raises(ConfigError, match="mesh.pipeline=2 needs train.pipeline.microbatches"):
+        build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+
+
+# ----------------------------------------------------------------------------- training on a mesh
+
+
+@dataclass
+class Run:
+    state: TrainState
+    losses: list[float]
+    grad_norms: list[float]
+    gradients: list
+    """Full-batch gradients (host arrays) at the initial and at the final params."""
+    program: TrainProgram
+
+
+def _run(cfg, mesh_cfg: MeshConfig, devices, tokens, steps: int = 5) -> Run:
+    """`steps` train steps of `cfg` on a mesh over `devices`, and the gradients of its gradient function."""
+    cfg = cfg.model_copy(update={"mesh": mesh_cfg})
+    program = build_program(cfg, make_mesh(mesh_cfg, devices))
+    state = init_state(
+        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
+    )
+    micro = cfg.train.pipeline.microbatches if cfg.train.pipeline else 1
+    rows = B // cfg.train.microbatches // micro
+    act = activation_sharding(cfg, program.mesh, program.rules, rows)
+    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
+    gradients = jax.jit(
+        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
+        in_shardings=(program.shardings, program.batch_shardings),
+    )
+    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
+
+    def batch(s):
+        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((B, L), np.float32)}
+        return jax.device_put(host, program.batch_shardings)
+
+    grads = [jax.device_get(gradients(state.params, batch(0)))]
+    losses, grad_norms = [], []
+    for s in range(steps):
+        state, m = program.train_step(state, batch(s), None)
+        losses.append(float(m["loss"]))
+        grad_norms.append(float(m["grad_norm"]))
+    grads.append(jax.device_get(gradients(state.params, batch(steps))))
+    return Run(state, losses, grad_norms, grads, program)
+
+
+def _assert_same_training(run: Run, ref: Run) -> None:
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
+    for got_tree, want_tree in zip(run.gradients, ref.gradients):
+        for (path, got), want in zip(
+            jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
+        ):
+            error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+            assert error < 1e-5, (jax.tree_util.keystr(path), error)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(byte_tokens):
+    cfg = load_config("tiny", TINY)
+    return _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+
+
+def test_circular_pipeline_with_fsdp_and_tensor_equals_one_device(dense_reference, byte_tokens):
+    """pipeline=2 x fsdp=2 x tensor=2, two rounds of the circular schedule, 4 microbatches."""
+    cfg = load_config("tiny", [*TINY, "train.pipeline.microbatches=4", "train.pipeline.repeats=2"])
+    run = _run(cfg, MeshConfig(pipeline=2, data=1, fsdp=2, tensor=2), jax.devices(), byte_tokens)
+    _assert_same_training(run, dense_reference)
+    # the stored layout is [layers, ...] in layer order, split over the stages in contiguous blocks
+    wq = run.state.params.blocks.wq
+    assert wq.shape[0] == 4 and wq.sharding.spec[0] == "pipeline"
+    stage0 = {d for d in run.program.mesh.devices[0].reshape(-1)}
+    held = {s.index[0].start for s in wq.addressable_shards if s.device in stage0}
+    assert held == {0}  # stage 0 holds layers 0-1 (stage 1 the rest)
