@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shipyard.config import load_config
+from shipyard.data.preference import pair_slots
 from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
 from shipyard.train.chunked_loss import head_loss_sums, logits_bytes, num_chunks
@@ -45,6 +46,11 @@ def test_head_loss_values_and_gradients_equal_the_whole_logits(tied, z_loss):
     assert float(jnp.max(jnp.abs(gw))) > 0.01  # a real gradient, not two zeros agreeing
 
 
+def _whole_logits_in(fn, *args, shape: str) -> bool:
+    """Whether the traced gradient function holds an fp32 array of the whole logits' `shape`."""
+    return f"f32[{shape}]" in str(jax.make_jaxpr(fn)(*args))
+
+
 def _batch(cfg, seed=1):
     B, L = cfg.train.global_batch_size, cfg.data.seq_len
     rng = np.random.default_rng(seed)
@@ -66,6 +72,9 @@ def test_train_gradients_of_every_param_equal_the_whole_logits():
     (g_whole, s_whole, _), (g_chunk, s_chunk, _) = results
     _close(s_chunk, s_whole)
     _close(g_chunk, g_whole)
+    logits = "2,32,512"  # [batch, seq, vocab]: there without chunks, never with them
+    assert _whole_logits_in(make_gradient_fn(whole), params, None, batch, 1.0, shape=logits)
+    assert not _whole_logits_in(make_gradient_fn(chunked), params, None, batch, 1.0, shape=logits)
     assert g_whole.lm_head is None and float(jnp.max(jnp.abs(g_whole.embed))) > 1e-3
 
 
@@ -118,3 +127,33 @@ def test_compiled_memory_of_a_128k_vocabulary_step_drops_by_more_than_the_logits
         temps[chunk] = program.lower_train_step().compile().memory_analysis().temp_size_in_bytes
     logits = 2 * 512 * 131072 * 4
     assert temps["null"] - temps["256"] >= logits, temps
+
+
+def test_preference_gradients_equal_the_whole_logits():
+    """DPO's reply log-probs come from the chunked head too (train.preference; cached reference)."""
+    over = ["train.global_batch_size=2", "data.seq_len=32", "data.train_tokens=null"]
+    over += ["data.preference={train: pairs.jsonl, tokenizer: t.json}", "train.preference={loss: dpo}"]
+    whole = load_config("tiny", [*over, "train.loss_chunk_tokens=null"])
+    chunked = load_config("tiny", [*over, "train.loss_chunk_tokens=24"])
+    rng = np.random.default_rng(2)
+    B, L, P = 2, 32, pair_slots(32)
+    slots = np.full((B, L), -1, np.int32)
+    slots[:, 4:9], slots[:, 12:20], slots[0, 22:25], slots[0, 27:31] = 0, 1, 2, 3  # 2 pairs, 1 pair
+    pair_mask = np.zeros((B, P), np.float32)
+    pair_mask[0, :2] = pair_mask[1, 0] = 1
+    batch = {
+        "tokens": rng.integers(0, whole.model.vocab_size, (B, L + 1)).astype(np.int32),
+        "loss_mask": (slots >= 0).astype(np.float32),
+        "segment_ids": np.zeros((B, L), np.int32),
+        "positions": np.broadcast_to(np.arange(L), (B, L)).astype(np.int32),
+        "slots": slots,
+        "pair_mask": pair_mask,
+        "ref_logps": rng.normal(-20, 3, (B, 2 * P)).astype(np.float32),
+    }
+    params = init_params(make_gradient_fn(whole).partition.trainable_specs(), jax.random.key(0))
+    results = [jax.jit(make_gradient_fn(c))(params, None, batch, 1.0) for c in (whole, chunked)]
+    (g_whole, s_whole, _), (g_chunk, s_chunk, _) = results
+    _close(s_chunk, s_whole)
+    _close(g_chunk, g_whole)
+    assert not _whole_logits_in(make_gradient_fn(chunked), params, None, batch, 1.0, shape="2,32,512")
+    assert float(s_whole.pairs) == 3 and float(jnp.max(jnp.abs(g_whole.lm_head))) > 1e-4

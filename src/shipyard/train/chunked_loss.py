@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.model import layers, quant
-from shipyard.train.loss import LossSums, loss_sums, sums_from_stats
+from shipyard.train.loss import LossSums, sums_from_stats, token_stats
 
 LOGIT_BUFFERS = 2
 """fp32 [tokens, vocab] buffers the loss holds at once: the logits and their gradient (the
@@ -128,18 +128,24 @@ def _join(x: jax.Array, seq: int) -> jax.Array:
     return x.reshape(x.shape[0], -1)[:, :seq]
 
 
-def head_loss_sums(h: jax.Array, w, targets: jax.Array, mask: jax.Array, chunks: int = 1) -> LossSums:
-    """LossSums of next-token prediction from final hidden states h [batch, seq, embed] through the
-    head w [embed, vocab] (`transformer.output_weights`), in `chunks` chunks (`num_chunks`).
+def head_token_stats(
+    h: jax.Array, w, targets: jax.Array, chunks: int = 1
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-token fp32 (logsumexp, target logit, entropy) [batch, seq] of final hidden states
+    h [batch, seq, embed] through the head w [embed, vocab] (`transformer.output_weights`), in
+    `chunks` chunks (`num_chunks`).
 
-    One chunk is the whole-logits path (`layers.dense`, then `loss.loss_sums`). More need a plain
+    One chunk is the whole-logits path (`layers.dense`, then `loss.token_stats`). More need a plain
     array head: a quantized one (int8 / NF4) is inference-only and QLoRA keeps the head in fp32.
     """
     if chunks == 1:
-        return loss_sums(layers.dense(h, w).astype(jnp.float32), targets, mask)
+        return token_stats(layers.dense(h, w).astype(jnp.float32), targets)
     if quant.is_any_quantized(w):
         raise ValueError("the chunked loss needs a plain array head, not a quantized one")
-    seq = targets.shape[1]
     stats = chunk_stats(_split(h, chunks), w, _split(targets, chunks))
-    lse, target, entropy = (_join(s, seq) for s in stats)
-    return sums_from_stats(lse, target, entropy, mask)
+    return tuple(_join(s, targets.shape[1]) for s in stats)
+
+
+def head_loss_sums(h: jax.Array, w, targets: jax.Array, mask: jax.Array, chunks: int = 1) -> LossSums:
+    """LossSums of next-token prediction through the head (see `head_token_stats`); `mask` [batch, seq]."""
+    return sums_from_stats(*head_token_stats(h, w, targets, chunks), mask)

@@ -40,6 +40,14 @@ def reply_logps(
     keeps the batch axis, and its sharding, of the inputs.
     """
     lse, target_logit, _ = token_stats(logits.astype(jnp.float32), targets)
+    return reply_logps_from_stats(lse, target_logit, slots, num_slots)
+
+
+def reply_logps_from_stats(
+    lse: jax.Array, target_logit: jax.Array, slots: jax.Array, num_slots: int
+) -> tuple[jax.Array, jax.Array]:
+    """`reply_logps` from per-token fp32 logsumexp and target logit [B, L] (as
+    `chunked_loss.head_token_stats` gives them, without the whole logits)."""
     valid = slots >= 0
     logp = jnp.where(valid, target_logit - lse, 0.0)
     bucket = jnp.where(valid, slots, num_slots)  # untrained positions go to one spare bucket, dropped

@@ -18,17 +18,22 @@ import optax
 
 from shipyard.config import Config
 from shipyard.data.preference import pair_slots
-from shipyard.model import layers, transformer
+from shipyard.model import transformer
 from shipyard.model.moe import MoEStats
 from shipyard.model.transformer import TransformerParams, output_weights
 from shipyard.parallel.context import context_size, zigzag_order
 from shipyard.parallel.pipeline import Schedule, schedule_for
 from shipyard.train import offload
-from shipyard.train.chunked_loss import head_loss_sums, num_chunks
+from shipyard.train.chunked_loss import head_loss_sums, head_token_stats, num_chunks
 from shipyard.train.finetune import Partition
 from shipyard.train.loss import LossSums
 from shipyard.train.optim import lr_schedule
-from shipyard.train.preference_loss import PreferenceSums, preference_metrics, preference_sums, reply_logps
+from shipyard.train.preference_loss import (
+    PreferenceSums,
+    preference_metrics,
+    preference_sums,
+    reply_logps_from_stats,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -181,18 +186,15 @@ class GradientFn:
     rules: Any
     partition: Partition
 
-    def forward(self, p, mb, key):
-        """(fp32 logits, MoEStats | None) of the model with params `p` on microbatch `mb` (the whole
-        [batch, seq, vocab] logits: the preference loss reads them; next-token loss uses `hidden`)."""
-        h, stats = self.hidden(p, mb, key)
-        return layers.dense(h, output_weights(p)).astype(jnp.float32), stats
+    def chunks(self, targets) -> int:
+        """How many chunks the head and loss run in for `targets` [batch, seq]: at most
+        train.loss_chunk_tokens tokens per device each (see train/chunked_loss.py)."""
+        return num_chunks(targets.shape, self.cfg.train.loss_chunk_tokens, self.activation_sharding)
 
     def token_sums(self, p, h, mb) -> LossSums:
-        """Next-token LossSums of final hidden states `h` through `p`'s head, in chunks of at most
-        train.loss_chunk_tokens tokens per device (see train/chunked_loss.py)."""
+        """Next-token LossSums of final hidden states `h` through `p`'s head, in `chunks`."""
         targets = _targets(mb)
-        chunks = num_chunks(targets.shape, self.cfg.train.loss_chunk_tokens, self.activation_sharding)
-        return head_loss_sums(h, output_weights(p), targets, mb["loss_mask"], chunks)
+        return head_loss_sums(h, output_weights(p), targets, mb["loss_mask"], self.chunks(targets))
 
     def hidden(self, p, mb, key):
         """(final hidden states [batch, seq, embed], MoEStats | None) of the model `p` on `mb`."""
@@ -310,8 +312,9 @@ class PreferenceGradientFn(GradientFn):
 
     def policy_logps(self, p, mb, key):
         """(reply log-probs [B, 2P], token counts [B, 2P], MoEStats | None) of the model `p` on `mb`."""
-        out, stats = self.forward(p, mb, key)
-        logps, counts = reply_logps(out, mb["tokens"][:, 1:], mb["slots"], self.num_slots())
+        h, stats = self.hidden(p, mb, key)
+        lse, target, _ = head_token_stats(h, output_weights(p), _targets(mb), self.chunks(_targets(mb)))
+        logps, counts = reply_logps_from_stats(lse, target, mb["slots"], self.num_slots())
         return logps, counts, stats
 
     def reference_logps(self, frozen, reference, mb):
