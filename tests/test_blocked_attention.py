@@ -56,7 +56,7 @@ def _close(got, want, tol=TOL):
 # GQA groups of 3 and of 1 (MHA), segment ids, a window, lengths that are not a multiple of the block
 CASES = {
     "gqa+segments": dict(K=2, G=3, T=64, seg=True, window=None),
-    "mha+window": dict(K=3, G=1, T=64, seg=False, window=9),
+    "mha+window+uneven": dict(K=3, G=1, T=57, seg=False, window=9),
     "window+segments+uneven": dict(K=1, G=4, T=53, seg=True, window=20),
     "shorter than a block": dict(K=2, G=2, T=11, seg=False, window=None),
 }

@@ -30,9 +30,9 @@ GLOBAL_WINDOW = 2**30
 """The window of a global layer where windows are per-layer arrays: no sequence reaches it."""
 BLOCKED_FROM_SEQ = 1024
 """On CPU, `auto` attention is blocked from this sequence length on, reference below it. Measured by
-bench/attention_memory.py (one attention core's forward + backward): blocked is 1.35x faster at 1K and
-2.7x at 2K; at 512 and below the sequence is one tile and the two are within noise, so short
-sequences keep today's path exactly."""
+bench/attention_memory.py (one attention core's forward + backward, two noisy runs): blocked is
+1.35-1.7x faster at 1K and 2.7-4x at 2K; at 512 and below the sequence is one tile and the two are
+within noise, so short sequences keep today's path exactly."""
 
 
 class AttentionWeights(NamedTuple):
