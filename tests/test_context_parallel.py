@@ -77,17 +77,21 @@ def test_unsupported_context_configs_are_refused():
 # ----------------------------------------------------------------------------- the ring itself
 
 
-def test_ring_attention_equals_one_device_attention_forward_and_backward():
-    """Zig-zag ordered q/k/v over context=4 (x data=2), GQA, documents and a window: the output and
-    the gradients of q, k, v equal `attention.attend` over the [L, L] mask in the original order."""
-    C, B, L, K, G, D = 4, 2, 32, 2, 2, 8
-    mesh = make_mesh(MeshConfig(data=2, context=C), jax.devices())
+@pytest.mark.parametrize(
+    "context,block", [(4, None), (2, 3)], ids=["context=4 in halves", "context=2 in tiles of 2"]
+)
+def test_ring_attention_equals_one_device_attention_forward_and_backward(context, block):
+    """Zig-zag ordered q/k/v over the context axis (x data), GQA, documents and a window, each
+    chunk in halves or in tiles (block 3: the largest divisor of the half up to it, 2): the output
+    and the gradients of q, k, v equal `attention.attend` over the [L, L] mask in the original order."""
+    B, L, K, G, D = 2, 8 * context, 2, 2, 8
+    mesh = make_mesh(MeshConfig(data=8 // context, context=context), jax.devices())
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (B, L, K, G, D))
     k, v = jax.random.normal(keys[1], (B, L, K, D)), jax.random.normal(keys[2], (B, L, K, D))
     seg = jnp.cumsum(jax.random.uniform(keys[3], (B, L)) < 0.15, axis=1).astype(jnp.int32)
     window = jnp.int32(7)
-    order = jnp.asarray(zigzag_order(L, C))
+    order = jnp.asarray(zigzag_order(L, context))
     back = jnp.argsort(order)
 
     def reference(q, k, v):
@@ -95,15 +99,19 @@ def test_ring_attention_equals_one_device_attention_forward_and_backward():
         return attention.attend(q, k, v, attention.mask(slots, slots, window, seg))
 
     def ring(q, k, v):
-        out = ring_attention(q[:, order], k[:, order], v[:, order], order, seg[:, order], window, mesh)
+        out = ring_attention(q[:, order], k[:, order], v[:, order], order, seg[:, order], window, mesh, block)
         return out[:, back]
 
-    def loss(fn):
-        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2)))
+    def run(fn):
+        def loss(*a):
+            out = fn(*a)
+            return jnp.sum(jnp.sin(out)), out
 
-    want_out, got_out = jax.jit(reference)(q, k, v), jax.jit(ring)(q, k, v)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (want, want_out), want_grads = run(reference)
+    (got, got_out), got_grads = run(ring)
     assert float(jnp.max(jnp.abs(got_out - want_out))) < 1e-5
-    (want, want_grads), (got, got_grads) = loss(reference)(q, k, v), loss(ring)(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     _assert_trees_close(got_grads, want_grads)
 

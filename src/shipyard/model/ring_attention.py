@@ -3,16 +3,17 @@
 Each device keeps its chunk of queries; the key/value chunks (with their
 slots and segment ids) travel once around the ring by `jax.lax.ppermute`,
 and every visit adds that chunk's contribution to an online softmax (running
-row max and sum, fp32). The full [L, L] scores never exist: a device holds
-[T, T] scores of one chunk pair (T = L / context), and of a half chunk pair
-at a time when a pair is partly masked.
+row max and sum, fp32). The full [L, L] scores never exist: each chunk
+(T = L / context positions per device) is cut into tiles of at most
+`model.attention_block` positions (each zig-zag half alike), and a device
+holds the scores of one (query tile, key tile) block at a time.
 
 The mask is computed from each position's original slot (`slots`, the
 context order of `parallel.context`), not its place in the permuted row:
 causal by slot, the sliding window by slot distance, documents by segment
-id. Chunks are processed in halves, and a half-by-half block that the mask
-hides entirely is skipped (`lax.cond`): under the zig-zag order that is half
-of every visiting chunk, the same on every device.
+id. A block the mask hides entirely is skipped (`lax.cond`): under the
+zig-zag order that is at least half of every visiting chunk, the same on
+every device.
 
 The backward pass is a custom VJP that runs the ring again (flash-attention
 style): it keeps only the output and the per-row logsumexp from the forward
@@ -36,7 +37,6 @@ from shipyard.model import attention, layers
 from shipyard.parallel.context import AXIS
 
 _NEG = float(jnp.finfo(jnp.float32).min)
-_HALVES = 2
 
 
 def ring_attention(
@@ -47,6 +47,7 @@ def ring_attention(
     segment_ids: jax.Array | None,
     window,
     mesh: Mesh,
+    block: int | None = None,
 ) -> jax.Array:
     """Softmax attention [batch, L, kv_heads, group, D] of global q [batch, L, kv_heads, group, D] over
     k, v [batch, L, kv_heads, D], with L split over the mesh's context axis.
@@ -54,11 +55,14 @@ def ring_attention(
     `slots` [L] are the original positions (the causal and window mask use them), `segment_ids`
     [batch, L] (or None) keep attention inside documents, `window` (None, an int or a traced int
     under scan; `attention.GLOBAL_WINDOW` means global) keeps the last `window` slots. The other
-    mesh axes stay automatic (the compiler keeps batch and heads split as they come).
+    mesh axes stay automatic (the compiler keeps batch and heads split as they come). `block`
+    bounds the tiles a device's chunk is cut into (None: halves), so no device holds more than
+    [block, block] scores per head.
     """
     n = int(mesh.shape[AXIS])
-    if q.shape[1] % (n * _HALVES):
+    if q.shape[1] % (n * 2):
         raise ValueError(f"ring attention: sequence length {q.shape[1]} does not split into {n} x 2 halves")
+    tiles = _tiles(q.shape[1] // n, block)
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     win = jnp.asarray(2**30 if window is None else window, jnp.int32)
     seq = PartitionSpec(None, AXIS)
@@ -66,7 +70,7 @@ def ring_attention(
     # abstract mesh of that context; the ring is manual over `context` alone either way.
     here = jax.sharding.get_abstract_mesh()
     fn = jax.shard_map(
-        partial(_ring, n=n),
+        partial(_ring, n=n, tiles=tiles),
         mesh=mesh if here.empty or not here.manual_axes else here,
         in_specs=(seq, seq, seq, PartitionSpec(AXIS), seq, PartitionSpec()),
         out_specs=seq,
@@ -75,8 +79,17 @@ def ring_attention(
     return fn(q, k, v, slots.astype(jnp.int32), seg, win)
 
 
-def _ring(q, k, v, slots, seg, window, *, n: int):
-    return _ring_attend(q, k, v, slots, seg, window, n)
+def _ring(q, k, v, slots, seg, window, *, n: int, tiles: int):
+    return _ring_attend(q, k, v, slots, seg, window, n, tiles)
+
+
+def _tiles(chunk: int, block: int | None) -> int:
+    """How many tiles a device's `chunk` positions are cut into: each zig-zag half alike (so the
+    blocks the causal mask hides are whole tiles), in pieces of the largest size <= `block` that
+    divides the half (None: the halves themselves)."""
+    half = chunk // 2
+    size = half if block is None else max(d for d in range(1, min(block, half) + 1) if half % d == 0)
+    return chunk // size
 
 
 def _shift(x, n: int):
@@ -90,8 +103,8 @@ def _varying(tree):
     return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
 
 
-def _halves(x, axis: int = 1):
-    return jnp.split(x, _HALVES, axis=axis)
+def _split(x, tiles: int, axis: int = 1) -> list:
+    return jnp.split(x, tiles, axis=axis)
 
 
 def _seen(q_slots, k_slots, q_seg, k_seg, window) -> jax.Array:
@@ -118,15 +131,15 @@ def _forward_block(carry, q, k, v, seen):
     return acc, m_new, l * corr + jnp.sum(p, axis=-1)
 
 
-def _parts(arrays, axes, slots, seg) -> list:
-    """A chunk in halves: per half (the arrays' halves, split along `axes`, its slots, its segment ids)."""
-    halves = zip(*[_halves(a, ax) for a, ax in zip(arrays, axes)])
-    return list(zip(halves, _halves(slots, 0), _halves(seg)))
+def _parts(arrays, axes, slots, seg, tiles: int) -> list:
+    """A chunk in tiles: per tile (the arrays' tiles, split along `axes`, its slots, its segment ids)."""
+    pieces = zip(*[_split(a, tiles, ax) for a, ax in zip(arrays, axes)])
+    return list(zip(pieces, _split(slots, tiles, 0), _split(seg, tiles)))
 
 
 def _visit(update, q_states: list, k_states: list, q_parts, kv_parts, window):
     """Run `(q_state, k_state) = update(q_state, k_state, q_arrays, kv_arrays, seen)` for every
-    (query half i, key half j) block the mask does not wholly hide: (q_states, k_states)."""
+    (query tile i, key tile j) block the mask does not wholly hide: (q_states, k_states)."""
     q_states, k_states = list(q_states), list(k_states)
     for i, (qa, qs, qseg) in enumerate(q_parts):
         for j, (ka, ks, kseg) in enumerate(kv_parts):
@@ -141,26 +154,26 @@ def _visit(update, q_states: list, k_states: list, q_parts, kv_parts, window):
     return q_states, k_states
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ring_attend(q, k, v, slots, seg, window, n):
-    return _ring_forward(q, k, v, slots, seg, window, n)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ring_attend(q, k, v, slots, seg, window, n, tiles):
+    return _ring_forward(q, k, v, slots, seg, window, n, tiles)[0]
 
 
 def _forward_update(q_state, k_state, qa, ka, seen):
     return _forward_block(q_state, qa[0], ka[0], ka[1], seen), k_state
 
 
-def _ring_forward(q, k, v, slots, seg, window, n):
+def _ring_forward(q, k, v, slots, seg, window, n, tiles):
     """(output in q's dtype, logsumexp [batch, kv_heads, group, T] fp32) of this device's queries."""
     B, T, K, G, D = q.shape
-    h = T // _HALVES
+    h = T // tiles
     start = (jnp.zeros((B, h, K, G, D), jnp.float32), jnp.full((B, K, G, h), _NEG), jnp.zeros((B, K, G, h)))
-    states = [_varying(start) for _ in range(_HALVES)]
-    q_parts = _parts((q,), (1,), slots, seg)
+    states = [_varying(start) for _ in range(tiles)]
+    q_parts = _parts((q,), (1,), slots, seg, tiles)
     kv = (k, v, slots, seg)
     for step in range(n):
-        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3])
-        states, _ = _visit(_forward_update, states, [None] * _HALVES, q_parts, kv_parts, window)
+        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3], tiles)
+        states, _ = _visit(_forward_update, states, [None] * tiles, q_parts, kv_parts, window)
         if step < n - 1:
             kv = _shift(kv, n)
     acc, m, l = (jnp.concatenate(parts, axis=ax) for parts, ax in zip(zip(*states), (1, -1, -1)))
@@ -168,8 +181,8 @@ def _ring_forward(q, k, v, slots, seg, window, n):
     return out.astype(q.dtype), m + jnp.log(l)
 
 
-def _ring_fwd(q, k, v, slots, seg, window, n):
-    out, lse = _ring_forward(q, k, v, slots, seg, window, n)
+def _ring_fwd(q, k, v, slots, seg, window, n, tiles):
+    out, lse = _ring_forward(q, k, v, slots, seg, window, n, tiles)
     return out, (q, k, v, slots, seg, window, out, lse)
 
 
@@ -185,17 +198,17 @@ def _backward_block(dq, dkv, qa, ka, seen):
     return dq, (dk, dv)
 
 
-def _ring_bwd(n, res, do):
+def _ring_bwd(n, tiles, res, do):
     q, k, v, slots, seg, window, out, lse = res
     # delta = rowsum(dO * O), [b, k, g, t] like lse: the softmax backward's correction term.
     delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, -1)
-    q_parts = _parts((q, do, lse, delta), (1, 1, -1, -1), slots, seg)
+    q_parts = _parts((q, do, lse, delta), (1, 1, -1, -1), slots, seg, tiles)
     dqs = [_varying(jnp.zeros(qa[0].shape, jnp.float32)) for qa, _, _ in q_parts]
     # The key/value gradients travel with their chunk (kv[4:]).
     kv = (k, v, slots, seg, *_varying((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))))
     for step in range(n):
-        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3])
-        k_states = list(zip(_halves(kv[4]), _halves(kv[5])))
+        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3], tiles)
+        k_states = list(zip(_split(kv[4], tiles), _split(kv[5], tiles)))
         dqs, k_states = _visit(_backward_block, dqs, k_states, q_parts, kv_parts, window)
         dk, dv = (jnp.concatenate(parts, axis=1) for parts in zip(*k_states))
         # The last hop sends only the key/value gradients: it brings them back to their chunk's device.
@@ -216,4 +229,5 @@ def self_attention(cfg, h, w, cos, sin, slots, segment_ids, window, mesh: Mesh, 
     k = layers.apply_rope(k, cos, sin)
     if slots is None:
         slots = jnp.arange(h.shape[1])
-    return attention.project_out(w, ring_attention(q, k, v, slots, segment_ids, window, mesh), key)
+    out = ring_attention(q, k, v, slots, segment_ids, window, mesh, cfg.attention_block)
+    return attention.project_out(w, out, key)
