@@ -11,7 +11,7 @@ from shipyard.config import load_config
 from shipyard.data.preference import pair_slots
 from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
-from shipyard.train.chunked_loss import head_loss_sums, logits_bytes, num_chunks
+from shipyard.train.chunked_loss import accumulator_bytes, head_loss_sums, logits_bytes, num_chunks
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state, make_gradient_fn
 
@@ -114,6 +114,8 @@ def test_chunks_are_counted_per_device():
     assert num_chunks((8, 4), 1, act) == 4  # at least one position per row per chunk
     assert logits_bytes(4096, 1000, None) == 2 * 4 * 4096 * 1000
     assert logits_bytes(4096, 1000, 512) == 2 * 4 * 512 * 1000
+    assert accumulator_bytes(4096, 64, 1000, 512) == 4 * 64 * 1000
+    assert accumulator_bytes(512, 64, 1000, 512) == accumulator_bytes(4096, 64, 1000, None) == 0
 
 
 def test_compiled_memory_of_a_128k_vocabulary_step_drops_by_more_than_the_logits():

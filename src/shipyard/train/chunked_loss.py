@@ -57,6 +57,14 @@ def logits_bytes(tokens: float, vocab: float, chunk_tokens: int | None) -> float
     return LOGIT_BUFFERS * 4.0 * at_once * vocab
 
 
+def accumulator_bytes(tokens: float, embed: float, vocab: float, chunk_tokens: int | None) -> float:
+    """Bytes of the fp32 [embed, vocab] head-gradient accumulator the chunked backward carries across
+    chunks (per device: the head's local `embed` x `vocab`), 0 when the logits are computed whole
+    (`tokens` per device at most `chunk_tokens`). XLA's CPU backend holds one more such buffer (each
+    chunk's product before the add); GPU compilers fuse the add into the matmul."""
+    return 0.0 if chunk_tokens is None or tokens <= chunk_tokens else 4.0 * embed * vocab
+
+
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
     """One chunk's logits h[..., embed] @ w[embed, vocab], accumulated and returned in fp32."""
     return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
