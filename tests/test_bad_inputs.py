@@ -206,6 +206,7 @@ CASES = [
     C("unknown schedule", lambda t, w: _train(t, "train.schedule.kind=linear"), CONFIG, "schedule"),
     C("override without =", lambda t, w: _train(t, "train.steps"), CONFIG, "train.steps"),
     C("batch over the mesh", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.data=3"), CONFIG, "mesh"),
+    C("attention kernel off its backend", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "model.attention_impl=splash"), CONFIG, "attention_impl"),
     C("context seq_len", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.context=2", "data.seq_len=30"), CONFIG, "data.seq_len=30"),
     C("context -1", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.context=-1", "mesh.data=1"), CONFIG, "mesh.context=-1"),
     C("both sources", lambda t, w: _train(t, "data.mixture=[{path: a, weight: 1}]", "data.train_tokens=b"), CONFIG, "mixture"),

@@ -22,6 +22,7 @@ from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
 from shipyard.model.params import abstract_params, param_shardings
+from shipyard.model.attention import attention_impl
 from shipyard.parallel.context import check_config as check_context
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.parallel.pipeline import Schedule, check_schedule, schedule_for
@@ -228,6 +229,15 @@ def check_offload(cfg: Config, mesh: Mesh) -> None:
         )
 
 
+def check_attention(cfg: Config, mesh: Mesh) -> None:
+    """ConfigError, before anything is traced, when model.attention_impl names a kernel the mesh's
+    backend cannot run for this run's dtype and masks (`attention.attention_impl` says why)."""
+    d = cfg.data
+    segments = d.document_masking or d.chat is not None or d.preference is not None
+    dtype = jnp.dtype(cfg.train.precision.compute_dtype)
+    attention_impl(cfg.model, mesh.devices.flat[0].platform, d.seq_len, dtype, segments)
+
+
 def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None = None) -> TrainProgram:
     """The train program of `cfg` on `mesh` (default: the config's mesh over all devices).
 
@@ -240,6 +250,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     check_context(cfg)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     check_offload(cfg, mesh)
+    check_attention(cfg, mesh)
     rules = rules_for(cfg.mesh)
     batch_shardings, abstract_batch = batch_layout(cfg, mesh, rules)
     eos_id = document_eos_id(cfg, eos_id)
