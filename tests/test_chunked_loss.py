@@ -13,7 +13,7 @@ from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
 from shipyard.train.chunked_loss import accumulator_bytes, head_loss_sums, logits_bytes, num_chunks
 from shipyard.train.program import build_program
-from shipyard.train.step import init_state, make_gradient_fn
+from shipyard.train.step import init_state, make_eval_step, make_gradient_fn
 
 
 def _close(got, want, tol=1e-6):
@@ -72,12 +72,15 @@ def test_train_gradients_of_every_param_equal_the_whole_logits():
     (g_whole, s_whole, _), (g_chunk, s_chunk, _) = results
     _close(s_chunk, s_whole)
     _close(g_chunk, g_whole)
+    ce = [jax.jit(make_eval_step(c))(params, None, {"tokens": batch["tokens"]})[0] for c in (whole, chunked)]
+    _close(ce[1], ce[0])
     logits = "2,32,512"  # [batch, seq, vocab]: there without chunks, never with them
     assert _whole_logits_in(make_gradient_fn(whole), params, None, batch, 1.0, shape=logits)
     assert not _whole_logits_in(make_gradient_fn(chunked), params, None, batch, 1.0, shape=logits)
     assert g_whole.lm_head is None and float(jnp.max(jnp.abs(g_whole.embed))) > 1e-3
 
 
+@pytest.mark.slow  # two programs on 4 devices: about a minute on 2 cores
 def test_sharded_train_and_eval_steps_equal_the_whole_logits():
     """fsdp x tensor (an untied head, its vocab split over tensor): the step's metrics, the updated
     params and the eval step's sums match the whole-logits program."""
