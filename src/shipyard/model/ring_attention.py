@@ -103,8 +103,22 @@ def _varying(tree):
     return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
 
 
-def _split(x, tiles: int, axis: int = 1) -> list:
-    return jnp.split(x, tiles, axis=axis)
+def _tiled(x, tiles: int, axis: int) -> jax.Array:
+    """x with its `axis` (T positions) cut into `tiles` tiles, stacked first: [tiles, ..., T / tiles, ...]."""
+    axis %= x.ndim
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], tiles, -1, *x.shape[axis + 1 :]), axis, 0)
+
+
+def _untiled(x, axis: int) -> jax.Array:
+    """The inverse of `_tiled`: the stacked tiles joined back along `axis` of the result."""
+    axis %= x.ndim - 1
+    y = jnp.moveaxis(x, 0, axis)
+    return y.reshape(*y.shape[:axis], -1, *y.shape[axis + 2 :])
+
+
+def _kv_tiles(kv, tiles: int) -> tuple:
+    """Key-side tiles of a visiting chunk (k, v, slots, segment ids, ...)."""
+    return tuple(_tiled(x, tiles, 0 if x.ndim == 1 else 1) for x in kv[:4])
 
 
 def _seen(q_slots, k_slots, q_seg, k_seg, window) -> jax.Array:
@@ -131,27 +145,24 @@ def _forward_block(carry, q, k, v, seen):
     return acc, m_new, l * corr + jnp.sum(p, axis=-1)
 
 
-def _parts(arrays, axes, slots, seg, tiles: int) -> list:
-    """A chunk in tiles: per tile (the arrays' tiles, split along `axes`, its slots, its segment ids)."""
-    pieces = zip(*[_split(a, tiles, ax) for a, ax in zip(arrays, axes)])
-    return list(zip(pieces, _split(slots, tiles, 0), _split(seg, tiles)))
+def _forward_step(states, q_tiles, kv_tiles, window):
+    """One visiting chunk added to every query tile's online softmax. The tiles are scanned, so one
+    (query tile, key tile) block's scores are all that exist at a time; blocks the mask hides are skipped."""
 
+    def per_query(_, xs):
+        state, (q, q_slots, q_seg) = xs
 
-def _visit(update, q_states: list, k_states: list, q_parts, kv_parts, window):
-    """Run `(q_state, k_state) = update(q_state, k_state, q_arrays, kv_arrays, seen)` for every
-    (query tile i, key tile j) block the mask does not wholly hide: (q_states, k_states)."""
-    q_states, k_states = list(q_states), list(k_states)
-    for i, (qa, qs, qseg) in enumerate(q_parts):
-        for j, (ka, ks, kseg) in enumerate(kv_parts):
-            seen = _seen(qs, ks, qseg, kseg, window)
-
-            def run(states, qa=qa, ka=ka, seen=seen):
-                return update(*states, qa, ka, seen)
-
-            q_states[i], k_states[j] = jax.lax.cond(
-                jnp.any(seen), run, lambda states: states, (q_states[i], k_states[j])
+        def per_key(state, kv):
+            k, v, k_slots, k_seg = kv
+            seen = _seen(q_slots, k_slots, q_seg, k_seg, window)
+            state = jax.lax.cond(
+                jnp.any(seen), lambda st: _forward_block(st, q, k, v, seen), lambda st: st, state
             )
-    return q_states, k_states
+            return state, None
+
+        return None, jax.lax.scan(per_key, state, kv_tiles)[0]
+
+    return jax.lax.scan(per_query, None, (states, q_tiles))[1]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -159,24 +170,24 @@ def _ring_attend(q, k, v, slots, seg, window, n, tiles):
     return _ring_forward(q, k, v, slots, seg, window, n, tiles)[0]
 
 
-def _forward_update(q_state, k_state, qa, ka, seen):
-    return _forward_block(q_state, qa[0], ka[0], ka[1], seen), k_state
-
-
 def _ring_forward(q, k, v, slots, seg, window, n, tiles):
     """(output in q's dtype, logsumexp [batch, kv_heads, group, T] fp32) of this device's queries."""
     B, T, K, G, D = q.shape
     h = T // tiles
-    start = (jnp.zeros((B, h, K, G, D), jnp.float32), jnp.full((B, K, G, h), _NEG), jnp.zeros((B, K, G, h)))
-    states = [_varying(start) for _ in range(tiles)]
-    q_parts = _parts((q,), (1,), slots, seg, tiles)
+    states = _varying(
+        (
+            jnp.zeros((tiles, B, h, K, G, D), jnp.float32),
+            jnp.full((tiles, B, K, G, h), _NEG),
+            jnp.zeros((tiles, B, K, G, h)),
+        )
+    )
+    q_tiles = (_tiled(q, tiles, 1), _tiled(slots, tiles, 0), _tiled(seg, tiles, 1))
     kv = (k, v, slots, seg)
     for step in range(n):
-        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3], tiles)
-        states, _ = _visit(_forward_update, states, [None] * tiles, q_parts, kv_parts, window)
+        states = _forward_step(states, q_tiles, _kv_tiles(kv, tiles), window)
         if step < n - 1:
             kv = _shift(kv, n)
-    acc, m, l = (jnp.concatenate(parts, axis=ax) for parts, ax in zip(zip(*states), (1, -1, -1)))
+    acc, m, l = _untiled(states[0], 1), _untiled(states[1], -1), _untiled(states[2], -1)
     out = acc / jnp.moveaxis(l, -1, 1)[..., None]
     return out.astype(q.dtype), m + jnp.log(l)
 
@@ -198,23 +209,45 @@ def _backward_block(dq, dkv, qa, ka, seen):
     return dq, (dk, dv)
 
 
+def _backward_step(dq, dkv, q_tiles, kv_tiles, window):
+    """One visiting chunk's share of every query tile's dq and of the chunk's (dk, dv) tiles."""
+
+    def per_query(dkv, xs):
+        dq_i, (q, do, lse, delta, q_slots, q_seg) = xs
+
+        def per_key(dq_i, xs):
+            (k, v, k_slots, k_seg), dkv_j = xs
+            seen = _seen(q_slots, k_slots, q_seg, k_seg, window)
+
+            def run(states):
+                return _backward_block(*states, (q, do, lse, delta), (k, v), seen)
+
+            return jax.lax.cond(jnp.any(seen), run, lambda states: states, (dq_i, dkv_j))
+
+        dq_i, dkv = jax.lax.scan(per_key, dq_i, (kv_tiles, dkv))
+        return dkv, dq_i
+
+    dkv, dq = jax.lax.scan(per_query, dkv, (dq, q_tiles))
+    return dq, dkv
+
+
 def _ring_bwd(n, tiles, res, do):
     q, k, v, slots, seg, window, out, lse = res
     # delta = rowsum(dO * O), [b, k, g, t] like lse: the softmax backward's correction term.
     delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, -1)
-    q_parts = _parts((q, do, lse, delta), (1, 1, -1, -1), slots, seg, tiles)
-    dqs = [_varying(jnp.zeros(qa[0].shape, jnp.float32)) for qa, _, _ in q_parts]
+    q_tiles = tuple(
+        _tiled(x, tiles, ax) for x, ax in zip((q, do, lse, delta, slots, seg), (1, 1, -1, -1, 0, 1))
+    )
+    dq = _varying(jnp.zeros((tiles, *q_tiles[0].shape[1:]), jnp.float32))
     # The key/value gradients travel with their chunk (kv[4:]).
     kv = (k, v, slots, seg, *_varying((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))))
     for step in range(n):
-        kv_parts = _parts(kv[:2], (1, 1), kv[2], kv[3], tiles)
-        k_states = list(zip(_split(kv[4], tiles), _split(kv[5], tiles)))
-        dqs, k_states = _visit(_backward_block, dqs, k_states, q_parts, kv_parts, window)
-        dk, dv = (jnp.concatenate(parts, axis=1) for parts in zip(*k_states))
+        dkv = (_tiled(kv[4], tiles, 1), _tiled(kv[5], tiles, 1))
+        dq, dkv = _backward_step(dq, dkv, q_tiles, _kv_tiles(kv, tiles), window)
+        dk, dv = _untiled(dkv[0], 1), _untiled(dkv[1], 1)
         # The last hop sends only the key/value gradients: it brings them back to their chunk's device.
         kv = _shift((*kv[:4], dk, dv), n) if step < n - 1 else (*kv[:4], *_shift((dk, dv), n))
-    dq = jnp.concatenate(dqs, axis=1)
-    return dq.astype(q.dtype), kv[4].astype(k.dtype), kv[5].astype(v.dtype), None, None, None
+    return _untiled(dq, 1).astype(q.dtype), kv[4].astype(k.dtype), kv[5].astype(v.dtype), None, None, None
 
 
 _ring_attend.defvjp(_ring_fwd, _ring_bwd)
