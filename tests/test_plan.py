@@ -52,8 +52,12 @@ def test_predicted_peak_is_within_25_percent_of_a_measured_step(name, overrides)
     assert p["compiled"]["peak_bytes"] == pytest.approx(measured, rel=0.25)
 
 
+FSDP_EXPERT = ["train.pipeline=null", "train.microbatches=16"]
+"""The 535B preset on the layout that fitted before pipelines: fsdp=32 x expert=8, 16 microbatches."""
+
+
 def test_moe_535b_analytic_on_256_devices_reports_total_and_active():
-    cfg = load_config("moe-535b-a23b")
+    cfg = load_config("moe-535b-a23b", FSDP_EXPERT)
     p = plan(cfg, {**ONE, "fsdp": 32, "expert": 8}, DEVICES["h100"], tokens=15e12, with_compiled=False)
     assert p["params_total"] == num_params(cfg.model) and p["params_active"] == num_active_params(cfg.model)
     assert p["devices"] == 256
@@ -64,7 +68,7 @@ def test_moe_535b_analytic_on_256_devices_reports_total_and_active():
 
 @pytest.mark.slow
 def test_moe_535b_compiled_on_reduced_layers_extrapolates():
-    cfg = load_config("moe-535b-a23b")
+    cfg = load_config("moe-535b-a23b", FSDP_EXPERT)
     p = plan(cfg, {**ONE, "fsdp": 32, "expert": 8}, DEVICES["h200"], compile_layers=1)
     c = p["compiled"]
     assert c["extrapolated"] and c["compiled_layers"] == [5, 6] and c["moe_stand_in"]
@@ -113,3 +117,76 @@ def test_an_on_the_fly_dpo_reference_is_counted_and_a_cached_one_is_not():
     # the starting params in bf16 on each of 8 fsdp shards: half the fp32 params' bytes
     assert on_the_fly["reference"] == pytest.approx(on_the_fly["params"] / 2, rel=1e-6)
     assert on_the_fly["total"] == pytest.approx(cached["total"] + on_the_fly["reference"], rel=1e-9)
+
+
+def test_marin_8b_plan_holds_no_full_logits_and_no_seq_by_seq_scores():
+    """The issue's command: with chunked loss and a flash kernel the plan has neither term."""
+    cfg = load_config("marin-8b", ["model.remat=full"])
+    p = plan(cfg, {**ONE, "fsdp": 8}, DEVICES["h100"], with_compiled=False)
+    tokens = p["microbatch_tokens_per_device"]
+    assert tokens == 1024 / 8 * 4096
+    # One chunk of 2048 tokens' fp32 logits and gradient, plus the head-gradient accumulator.
+    assert p["logit_tokens"] == cfg.train.loss_chunk_tokens == 2048
+    assert p["bytes"]["logits"] < 0.01 * tokens * 2 * 4 * cfg.model.vocab_size
+    assert p["attention_impl"] == "cudnn" and p["attention_keys"] == cfg.model.attention_block
+    whole = plan(
+        load_config("marin-8b", ["train.loss_chunk_tokens=null"]),
+        {**ONE, "fsdp": 8},
+        DEVICES["h100"],
+        with_compiled=False,
+    )
+    assert whole["bytes"]["logits"] == tokens * 2 * 4 * cfg.model.vocab_size  # the old term, 501 GiB
+    reference = plan(
+        load_config("marin-8b", ["model.attention_impl=reference"]),
+        {**ONE, "fsdp": 8},
+        DEVICES["h100"],
+        with_compiled=False,
+    )
+    assert reference["bytes"]["activations"] > 1.5 * p["bytes"]["activations"]
+    assert "2,048 tokens at once" in render(p) and "attention: cudnn" in render(p)
+
+
+def test_pipeline_context_and_offload_terms():
+    base = ["train.microbatches=1", "train.global_batch_size=64", "model.remat=full"]
+    cfg = load_config("marin-8b", base)
+    flat = plan(cfg, {**ONE, "fsdp": 8}, DEVICES["h100"], with_compiled=False)
+    piped_cfg = load_config("marin-8b", [*base, "train.pipeline={microbatches: 8, repeats: 2}"])
+    piped = plan(piped_cfg, {**ONE, "fsdp": 8, "pipeline": 4}, DEVICES["h100"], with_compiled=False)
+    # Each stage holds a quarter of the layers' params (embedding and head are not staged).
+    assert piped["bytes"]["params"] < 0.4 * flat["bytes"]["params"]
+    assert piped["stage_layers"] == 8 and piped["pipeline"]["bubble"] == pytest.approx(3 / (8 * 2 + 3))
+    # Same tokens per device through a quarter of the layers (each layer's input kept, remat full),
+    # and one layer's intermediates for one pipeline microbatch (an eighth of the tokens) at a time.
+    kept = piped["microbatch_tokens_per_device"] * 8 * 2 * cfg.model.hidden_size
+    assert kept < piped["bytes"]["activations"] < flat["bytes"]["activations"] / 4
+    busy = 1 - piped["pipeline"]["bubble"]
+    assert piped["step_seconds"] == pytest.approx(flat["step_seconds"] / 4 / busy)
+    assert "bubble 15.8%" in render(piped) and "8 layers per pipeline stage" in render(piped)
+    ctx = plan(cfg, {**ONE, "fsdp": 4, "context": 2}, DEVICES["h100"], with_compiled=False)
+    assert (
+        ctx["microbatch_tokens_per_device"] == flat["microbatch_tokens_per_device"]
+    )  # 2x the rows, half the seq
+    assert "a ring over context=2" in render(ctx)
+    off = plan(
+        load_config("marin-8b", [*base, "train.offload.optimizer=true"]),
+        {**ONE, "fsdp": 8},
+        DEVICES["h100"],
+        with_compiled=False,
+    )
+    b = off["bytes"]
+    assert b["offloaded"] == flat["bytes"]["optimizer"] and 0 < b["offload_streamed"] < b["offloaded"] / 2
+    assert b["total"] == pytest.approx(flat["bytes"]["total"] - b["offloaded"] + b["offload_streamed"])
+    assert "held in host memory (train.offload)" in render(off)
+
+
+def test_cli_compare_prints_the_layouts_side_by_side(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "moe-535b-a23b", "--device", "h200", "--analytic-only", "--json", str(out),
+                 "--compare", "fsdp=32,expert=8 train.pipeline=null train.microbatches=16"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "pipeline=3 x fsdp=64 x expert=8" in text and "fsdp=32 x expert=8" in text
+    data = json.loads(out.read_text())
+    other = data["compare"]["fsdp=32,expert=8 train.pipeline=null train.microbatches=16"]
+    assert data["devices"] == 1536 and other["devices"] == 256 and other["pipeline"] is None
+    assert data["step_seconds"] < other["step_seconds"] / 4

@@ -241,6 +241,8 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
     1/pipeline of the layers but the saved activations of every pipeline microbatch in flight
     (all of the microbatch's tokens pass through every stage before the backward pass).
     """
+    from shipyard.train import chunked_loss
+
     m = cfg.model
     c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
     batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -272,8 +274,11 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
         layers += [(full + dispatch, dots + c * e.experts_per_token * E)] * m.num_moe_layers
     tokens = b * S / sizes.get("context", 1)
     stages = sizes.get("pipeline", 1)
-    # The stage with the most layers, of the heaviest kind (MoE layers come last).
-    layers = layers[-math.ceil(len(layers) / stages) :]
+    if stages > 1:
+        # The pipeline cuts the last stack (the MoE layers of a MoE model) into equal parts; stage 0
+        # also runs a MoE model's leading dense layers, so it holds the most.
+        last = m.num_moe_layers if m.moe is not None else m.num_layers
+        layers = layers[: len(layers) - last] + layers[len(layers) - last :][: last // stages]
     in_flight = 1 / _pipeline_microbatches(cfg) if stages > 1 else 1.0  # one pipeline microbatch at a time
     peak_layer = max(full for full, _ in layers) * in_flight
     if m.remat == "full":
@@ -283,9 +288,13 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
     else:
         saved = sum(f for f, _ in layers)
     logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
+    # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own.
+    accumulator = chunked_loss.accumulator_bytes(
+        tokens, E / sizes["fsdp"], m.vocab_size / t, cfg.train.loss_chunk_tokens
+    )
     return {
         "activations": tokens * saved,
-        "logits": _loss_tokens(cfg, tokens) * logits,
+        "logits": _loss_tokens(cfg, tokens) * logits + accumulator,
         "logit_tokens": _loss_tokens(cfg, tokens),
         "microbatch_tokens_per_device": tokens,
         "attention_impl": impl,
@@ -531,15 +540,29 @@ def _run_child(cfg: Config, sizes: dict[str, int]) -> dict:
 def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> dict:
     """Compiled memory/cost analysis per device; with `layers`, from two reduced depths, extrapolated."""
     m = cfg.model
-    if layers is None or m.num_dense_layers + 3 * layers >= m.num_layers:
+    # A pipeline stage holds 1/pipeline of the (last stack's) layers: reduced depths add whole
+    # layers to every stage.
+    unit = sizes.get("pipeline", 1)
+    if layers is None or m.num_dense_layers + 3 * unit * layers >= m.num_layers:
         out = _run_child(cfg, sizes)
         out["extrapolated"] = False
         return out
     # Two depths that keep the leading dense layers and scan at least two MoE layers
     # (a one-trip scan is compiled differently): per-layer cost = their difference.
-    lo, hi = m.num_dense_layers + 2 * layers, m.num_dense_layers + 3 * layers
+    lo, hi = m.num_dense_layers + 2 * unit * layers, m.num_dense_layers + 3 * unit * layers
+    train = cfg.train
+    if (
+        unit > 1
+        and train.pipeline is not None
+        and (hi - m.num_dense_layers) % (unit * train.pipeline.repeats)
+    ):
+        # The reduced depths do not cut into pipeline x repeats chunks: compile them as GPipe
+        # (the circular schedule's rounds add one microbatch's activations per stage, no weights).
+        train = train.model_copy(update={"pipeline": train.pipeline.model_copy(update={"repeats": 1})})
     runs = [
-        _run_child(cfg.model_copy(update={"model": m.model_copy(update={"num_layers": n})}), sizes)
+        _run_child(
+            cfg.model_copy(update={"model": m.model_copy(update={"num_layers": n}), "train": train}), sizes
+        )
         for n in (lo, hi)
     ]
     out = {}
@@ -549,6 +572,7 @@ def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> d
         out[key] = runs[1][key] + per * (m.num_layers - hi)
     out["extrapolated"] = True
     out["compiled_layers"] = [lo, hi]
+    out["compiled_repeats"] = None if train.pipeline is None else train.pipeline.repeats
     return out
 
 
@@ -573,8 +597,17 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
             # a GPU/TPU grouped GEMM allocates. Capacity buffers of 1.25 x the routed rows are.
             model = cfg.model.model_copy(update={"moe": moe.model_copy(update={"capacity_factor": 1.25})})
             target = cfg.model_copy(update={"model": model})
+        moe_stand_in = target is not cfg
+        if out["attention_impl"] in ("cudnn", "splash"):
+            # The child compiles on CPU, where the vendor kernels do not exist; blocked attention
+            # holds the same one key block of scores per query.
+            model = target.model.model_copy(update={"attention_impl": "blocked"})
+            target = target.model_copy(update={"model": model})
         out["compiled"] = compiled(target, sizes, compile_layers)
-        out["compiled"]["moe_stand_in"] = target is not cfg
+        out["compiled"]["moe_stand_in"] = moe_stand_in
+        out["compiled"]["attention_stand_in"] = (
+            out["attention_impl"] if target.model.attention_impl != cfg.model.attention_impl else None
+        )
     fits, advice = verdict(out, device.memory_bytes, cfg)
     out.update(fits=fits, advice=advice)
     return out
@@ -679,7 +712,13 @@ def render(p: dict) -> str:
     c = p.get("compiled")
     if c:
         how = (
-            f" (extrapolated from {c['compiled_layers'][0]} and {c['compiled_layers'][1]} layers)"
+            f" (extrapolated from {c['compiled_layers'][0]} and {c['compiled_layers'][1]} layers"
+            + (
+                f", pipeline repeats={c['compiled_repeats']}"
+                if p.get("pipeline") and c.get("compiled_repeats") != p["pipeline"]["repeats"]
+                else ""
+            )
+            + ")"
             if c["extrapolated"]
             else ""
         )
@@ -691,6 +730,11 @@ def render(p: dict) -> str:
             f"  peak          {_fmt(c['peak_bytes'])}",
             f"  FLOPs/step    {c['flops_per_device']:.4g} per device (XLA cost analysis; a scanned layer counts once)",
         ]
+    if c and c.get("attention_stand_in"):
+        lines.append(
+            f"  (attention compiled as blocked, standing in for {c['attention_stand_in']}: "
+            "the vendor kernel does not exist on the CPU the plan compiles on)"
+        )
     if c and c.get("moe_stand_in"):
         lines.append(
             "  (MoE experts compiled in capacity mode, factor 1.25, standing in for the GPU/TPU "
