@@ -236,22 +236,28 @@ def test_packed_chat_gradients_equal_one_device():
 
 def test_activations_are_split_along_seq():
     """The residual stream is laid out [batch, seq/context, embed], the ring's collective-permutes
-    are in the compiled train step, and each of the 4 devices needs well under half the temporary
-    memory of one device running the whole step: a replicated sequence (or one gathered by a
-    reshape that merges batch and seq) would cost about as much as one device."""
-    overrides = ["train.global_batch_size=2", "data.seq_len=256", "model.hidden_size=32"]
-    overrides += ["model.intermediate_size=512", "model.num_layers=1", "model.remat=none", "mesh.data=1"]
+    are in the compiled train step, each of the 4 devices needs well under half the temporary
+    memory of one device running the whole step (a replicated sequence, or one gathered by a
+    reshape that merges batch and seq, costs about as much as one device), and the temporaries
+    grow linearly with the sequence (nothing [L, L] is kept, e.g. every block's mask)."""
+    overrides = ["train.global_batch_size=2", "model.hidden_size=32", "model.intermediate_size=256"]
+    overrides += ["model.num_layers=2", "model.remat=none", "model.attention_block=32", "mesh.data=1"]
 
-    def compiled(context: int):
-        cfg = load_config("tiny", overrides + [f"mesh.context={context}"])
+    def compiled(context: int, seq_len: int):
+        sizes = [f"mesh.context={context}", f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}"]
+        cfg = load_config("tiny", overrides + sizes)
         mesh = make_mesh(cfg.mesh, jax.devices()[:context])
         program = build_program(cfg, mesh)
         act = activation_sharding(cfg, mesh, program.rules, 2)
         return program.lower_train_step().compile(), act
 
-    split, act = compiled(4)
+    def temp(step) -> int:
+        return step.memory_analysis().temp_size_in_bytes
+
+    split, act = compiled(4, 512)
     assert act.is_equivalent_to(NamedSharding(act.mesh, PartitionSpec(None, "context", None)), 3)
     assert "collective-permute" in split.as_text()  # the ring
-    whole, _ = compiled(1)
-    ratio = split.memory_analysis().temp_size_in_bytes / whole.memory_analysis().temp_size_in_bytes
+    ratio = temp(split) / temp(compiled(1, 512)[0])
     assert ratio < 0.4, ratio
+    growth = temp(compiled(4, 1024)[0]) / temp(split)
+    assert growth < 2.4, growth

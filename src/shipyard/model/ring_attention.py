@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,22 +66,37 @@ def ring_attention(
     tiles = _tiles(q.shape[1] // n, block)
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     win = jnp.asarray(2**30 if window is None else window, jnp.int32)
-    seq = PartitionSpec(None, AXIS)
-    # Inside another shard_map (a pipeline stage, manual over `pipeline`) a nested one must take the
-    # abstract mesh of that context; the ring is manual over `context` alone either way.
+    # Tied to q by a barrier so the masks are not loop-invariant in the layer scan: differentiating
+    # that scan, JAX hoists what depends only on its constants (slots, segment ids, windows) out of
+    # the loop, and through the ring's tile scans that stacked every block's mask, [L, L] in all.
+    q, slots, seg, win = jax.lax.optimization_barrier((q, slots.astype(jnp.int32), seg, win))
+    return _ring_attend(q, k, v, slots, seg, win, _Ring(mesh, n, tiles))
+
+
+class _Ring(NamedTuple):
+    """What the ring's shard_maps need to know (hashable: a custom_vjp's static argument)."""
+
+    mesh: Mesh
+    n: int
+    tiles: int
+
+
+_SEQ = PartitionSpec(None, AXIS)
+_LSE = PartitionSpec(None, None, None, AXIS)
+_INPUTS = (_SEQ, _SEQ, _SEQ, PartitionSpec(AXIS), _SEQ, PartitionSpec())
+
+
+def _sharded(ring: _Ring, fn, in_specs, out_specs):
+    """`fn` (a per-device body) as a shard_map manual over `context` alone. Inside another shard_map
+    (a pipeline stage, manual over `pipeline`) a nested one must take the abstract mesh of that context."""
     here = jax.sharding.get_abstract_mesh()
-    fn = jax.shard_map(
-        partial(_ring, n=n, tiles=tiles),
-        mesh=mesh if here.empty or not here.manual_axes else here,
-        in_specs=(seq, seq, seq, PartitionSpec(AXIS), seq, PartitionSpec()),
-        out_specs=seq,
+    return jax.shard_map(
+        partial(fn, n=ring.n, tiles=ring.tiles),
+        mesh=ring.mesh if here.empty or not here.manual_axes else here,
+        in_specs=in_specs,
+        out_specs=out_specs,
         axis_names={AXIS},
     )
-    return fn(q, k, v, slots.astype(jnp.int32), seg, win)
-
-
-def _ring(q, k, v, slots, seg, window, *, n: int, tiles: int):
-    return _ring_attend(q, k, v, slots, seg, window, n, tiles)
 
 
 def _tiles(chunk: int, block: int | None) -> int:
@@ -165,12 +181,14 @@ def _forward_step(states, q_tiles, kv_tiles, window):
     return jax.lax.scan(per_query, None, (states, q_tiles))[1]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _ring_attend(q, k, v, slots, seg, window, n, tiles):
-    return _ring_forward(q, k, v, slots, seg, window, n, tiles)[0]
+# The custom VJP sits outside the shard_maps, so autodiff never enters them: the forward and the
+# backward are one shard_map each.
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring_attend(q, k, v, slots, seg, window, ring: _Ring):
+    return _ring_fwd(q, k, v, slots, seg, window, ring)[0]
 
 
-def _ring_forward(q, k, v, slots, seg, window, n, tiles):
+def _ring_forward(q, k, v, slots, seg, window, *, n: int, tiles: int):
     """(output in q's dtype, logsumexp [batch, kv_heads, group, T] fp32) of this device's queries."""
     B, T, K, G, D = q.shape
     h = T // tiles
@@ -192,8 +210,8 @@ def _ring_forward(q, k, v, slots, seg, window, n, tiles):
     return out.astype(q.dtype), m + jnp.log(l)
 
 
-def _ring_fwd(q, k, v, slots, seg, window, n, tiles):
-    out, lse = _ring_forward(q, k, v, slots, seg, window, n, tiles)
+def _ring_fwd(q, k, v, slots, seg, window, ring: _Ring):
+    out, lse = _sharded(ring, _ring_forward, _INPUTS, (_SEQ, _LSE))(q, k, v, slots, seg, window)
     return out, (q, k, v, slots, seg, window, out, lse)
 
 
@@ -231,8 +249,14 @@ def _backward_step(dq, dkv, q_tiles, kv_tiles, window):
     return dq, dkv
 
 
-def _ring_bwd(n, tiles, res, do):
-    q, k, v, slots, seg, window, out, lse = res
+def _ring_bwd(ring: _Ring, res, do):
+    specs = (*_INPUTS, _SEQ, _LSE, _SEQ)
+    dq, dk, dv = _sharded(ring, _ring_backward, specs, (_SEQ, _SEQ, _SEQ))(*res, do)
+    return dq, dk, dv, None, None, None
+
+
+def _ring_backward(q, k, v, slots, seg, window, out, lse, do, *, n: int, tiles: int):
+    """(dq, dk, dv) of this device's chunk: the ring run again over recomputed probabilities."""
     # delta = rowsum(dO * O), [b, k, g, t] like lse: the softmax backward's correction term.
     delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, -1)
     q_tiles = tuple(
@@ -247,7 +271,7 @@ def _ring_bwd(n, tiles, res, do):
         dk, dv = _untiled(dkv[0], 1), _untiled(dkv[1], 1)
         # The last hop sends only the key/value gradients: it brings them back to their chunk's device.
         kv = _shift((*kv[:4], dk, dv), n) if step < n - 1 else (*kv[:4], *_shift((dk, dv), n))
-    return _untiled(dq, 1).astype(q.dtype), kv[4].astype(k.dtype), kv[5].astype(v.dtype), None, None, None
+    return _untiled(dq, 1).astype(q.dtype), kv[4].astype(k.dtype), kv[5].astype(v.dtype)
 
 
 _ring_attend.defvjp(_ring_fwd, _ring_bwd)
