@@ -209,6 +209,9 @@ CASES = [
     C("attention kernel off its backend", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "model.attention_impl=splash"), CONFIG, "attention_impl"),
     C("context seq_len", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.context=2", "data.seq_len=30"), CONFIG, "data.seq_len=30"),
     C("context -1", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.context=-1", "mesh.data=1"), CONFIG, "mesh.context=-1"),
+    C("pipeline without schedule", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.pipeline=2"), CONFIG, "mesh.pipeline=2 needs train.pipeline.microbatches"),
+    C("pipeline layers", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.pipeline=2", "train.pipeline.microbatches=2", "train.pipeline.repeats=2"), CONFIG, "2 layers do not split into mesh.pipeline=2 x repeats=2"),
+    C("pipeline microbatches", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "mesh.pipeline=2", "train.pipeline.microbatches=3"), CONFIG, "train.pipeline.microbatches=3 does not divide"),
     C("both sources", lambda t, w: _train(t, "data.mixture=[{path: a, weight: 1}]", "data.train_tokens=b"), CONFIG, "mixture"),
     C("no data", lambda t, w: _train(t), CONFIG, "train_tokens"),
     # YAML files

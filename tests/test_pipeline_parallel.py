@@ -1,6 +1,11 @@
 """Pipeline parallelism (parallel/pipeline.py): the schedule equals running the layers in order, and
 training on a mesh with pipeline stages equals one device (loss, grad_norm, every gradient)."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -8,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shipyard.cli.main import main
 from shipyard.config import MeshConfig, load_config
 from shipyard.data.loader import build_loader
 from shipyard.errors import ConfigError
@@ -76,7 +82,7 @@ def _toy_sequential(params, first, x, scale):
 
 
 @pytest.mark.parametrize(
-    "stages,microbatches,repeats", [(2, 2, 1), (4, 2, 1), (2, 4, 2), (4, 4, 2), (2, 3, 4)]
+    "stages,microbatches,repeats", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (2, 4, 2), (4, 4, 2), (2, 3, 4)]
 )
 def test_schedule_equals_the_layers_in_order(stages, microbatches, repeats):
     mesh = make_mesh(MeshConfig(pipeline=stages, data=1), jax.devices()[:stages])
@@ -160,17 +166,17 @@ def _run(cfg, mesh_cfg: MeshConfig, devices, tokens, steps: int = 5) -> Run:
         cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
     )
     micro = cfg.train.pipeline.microbatches if cfg.train.pipeline else 1
-    rows = B // cfg.train.microbatches // micro
-    act = activation_sharding(cfg, program.mesh, program.rules, rows)
+    rows, seq = cfg.train.global_batch_size, cfg.data.seq_len
+    act = activation_sharding(cfg, program.mesh, program.rules, rows // cfg.train.microbatches // micro)
     gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
     gradients = jax.jit(
         lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
         in_shardings=(program.shardings, program.batch_shardings),
     )
-    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
+    loader = build_loader([tokens], [1.0], 0, rows, seq, cfg.model.vocab_size)
 
     def batch(s):
-        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((B, L), np.float32)}
+        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((rows, seq), np.float32)}
         return jax.device_put(host, program.batch_shardings)
 
     grads = [jax.device_get(gradients(state.params, batch(0)))]
@@ -211,3 +217,128 @@ def test_circular_pipeline_with_fsdp_and_tensor_equals_one_device(dense_referenc
     stage0 = {d for d in run.program.mesh.devices[0].reshape(-1)}
     held = {s.index[0].start for s in wq.addressable_shards if s.device in stage0}
     assert held == {0}  # stage 0 holds layers 0-1 (stage 1 the rest)
+
+
+DENSE_MESHES = {
+    "pipeline=4": (dict(pipeline=4, data=1), 4, ["train.pipeline.microbatches=4"]),
+    "pipeline=2,data=4": (dict(pipeline=2, data=4), 8, ["train.pipeline.microbatches=2"]),
+    "pipeline=4,fsdp=2": (dict(pipeline=4, data=1, fsdp=2), 8, ["train.pipeline.microbatches=4"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DENSE_MESHES))
+def test_dense_pipeline_meshes_equal_one_device(dense_reference, byte_tokens, name):
+    mesh, devices, schedule = DENSE_MESHES[name]
+    cfg = load_config("tiny", [*TINY, *schedule])
+    run = _run(cfg, MeshConfig(**mesh), jax.devices()[:devices], byte_tokens)
+    _assert_same_training(run, dense_reference)
+
+
+# MoE: the reference accumulates the same 4 microbatches (train.microbatches=4, the same strided rows),
+# since the balance losses are per-microbatch means; 16 rows keep 4 rows per microbatch, which the
+# expert axis divides.
+MOE_MESHES = {
+    "pipeline=2,expert=4": dict(pipeline=2, data=1, expert=4),
+    "pipeline=4,expert=2": dict(pipeline=4, data=1, expert=2),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(byte_tokens):
+    cfg = load_config("moe-tiny", [*MOE, "train.global_batch_size=16", "train.microbatches=4"])
+    return _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*MOE_MESHES, "pipeline=2,fsdp=2,expert=2,circular"])
+def test_moe_pipeline_meshes_equal_one_device(moe_reference, byte_tokens, name):
+    """MoE layers inside the stages (expert-parallel within each), the leading dense layer in stage 0."""
+    extra = ["train.pipeline.repeats=2"] if name.endswith("circular") else []
+    mesh = MOE_MESHES.get(name, dict(pipeline=2, data=1, fsdp=2, expert=2))
+    cfg = load_config(
+        "moe-tiny", [*MOE, "train.global_batch_size=16", "train.pipeline.microbatches=4", *extra]
+    )
+    run = _run(cfg, MeshConfig(**mesh), jax.devices(), byte_tokens)
+    _assert_same_training(run, moe_reference)
+    assert run.state.params.moe_blocks.moe.w_gate.sharding.spec[:2] == ("pipeline", "expert")
+
+
+# ----------------------------------------------------------------------------- runs: resume, two processes
+
+RUN = [
+    *TINY,
+    "train.logging.log_every=1",
+    "train.logging.progress=false",
+    # a constant rate after a short warmup: step s's rate does not depend on train.steps
+    "train.schedule.kind=constant",
+    "train.schedule.warmup_steps=2",
+]
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_layout_resumes_on_others(tmp_path, byte_tokens, capsys):
+    """Trained 3 steps on pipeline=2 x fsdp=4, resumed to 5 on fsdp=8 (one stage, one microbatch) and
+    on pipeline=4 x data=2: the resumed steps equal a straight 5-step run without a pipeline."""
+    base = ["train", "tiny", f"data.train_tokens={byte_tokens}", *RUN, "train.pipeline.microbatches=2"]
+    layouts = {
+        "p2f4": ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=4"],
+        # one stage, the whole batch as one microbatch (a run may change its schedule on resume)
+        "f8": ["mesh.data=1", "mesh.fsdp=8", "train.pipeline.microbatches=1"],
+        "p4d2": ["mesh.pipeline=4", "mesh.data=2"],
+    }
+    straight = tmp_path / "straight"
+    plain = ["train", "tiny", f"data.train_tokens={byte_tokens}", *RUN, "train.steps=5"]
+    assert main([*plain, "mesh.data=8", "--run-dir", str(straight)]) == 0
+    first = tmp_path / "f8"
+    assert main([*base, *layouts["p2f4"], "train.steps=3", "--run-dir", str(first)]) == 0
+    assert (
+        "pipeline 2 stage(s) (GPipe), 2 microbatches: bubble 33.3% of stage time" in capsys.readouterr().out
+    )
+    shutil.copytree(first, tmp_path / "p4d2")
+    for name in ("f8", "p4d2"):
+        resumed = tmp_path / name
+        assert main([*base, *layouts[name], "train.steps=5", "--run-dir", str(resumed), "--resume"]) == 0
+        assert "resumed from checkpoint 3" in capsys.readouterr().out
+        np.testing.assert_allclose(_losses(resumed), _losses(straight), rtol=1e-5, err_msg=name)
+
+
+def _launch(*args, devices_per_process: int):
+    env = dict(os.environ, SHIPYARD_NO_REEXEC="1")
+    argv = [sys.executable, "-m", "shipyard.cli.main", "launch", *args]
+    argv += ["--devices-per-process", str(devices_per_process)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_two_process_cluster_runs_one_stage_per_process(tmp_path, byte_tokens):
+    """pipeline=2 on 2 processes x 4 devices: pipeline is the mesh's outermost axis, so stage 0 is
+    process 0's devices and stage 1 process 1's; the losses equal one process of 8 devices."""
+    common = ["tiny", f"data.train_tokens={byte_tokens}", *RUN, "train.steps=4"]
+    common += ["mesh.pipeline=2", "mesh.data=4", "train.pipeline.microbatches=2"]
+    two = _launch("--processes", "2", *common, "--run-dir", str(tmp_path / "two"), devices_per_process=4)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "8 cpu device(s) in 2 processes" in two.stdout and "bubble 33.3%" in two.stdout
+    one = _launch("--processes", "1", *common, "--run-dir", str(tmp_path / "one"), devices_per_process=8)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert len(_losses(tmp_path / "one")) == 4
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
+def test_stages_are_processes_on_a_cluster_grid():
+    """The device grid puts the pipeline axis outermost: with devices listed process by process (as
+    jax.devices() is), each stage is one process's block of devices."""
+
+    @dataclass(frozen=True)
+    class FakeDevice:
+        id: int
+        process_index: int
+
+    devices = [FakeDevice(i, i // 4) for i in range(8)]
+    grid = make_mesh(MeshConfig(pipeline=2, data=2, fsdp=2), devices).devices
+    for stage in range(2):
+        assert {d.process_index for d in grid[stage].reshape(-1)} == {stage}

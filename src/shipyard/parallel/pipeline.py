@@ -79,6 +79,16 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
+def describe(schedule: Schedule) -> str:
+    """One line on the schedule and its bubble, for the start of a run."""
+    P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+    kind = "GPipe" if R == 1 else f"circular, {R} rounds"
+    return (
+        f"pipeline {P} stage(s) ({kind}), {M} microbatches: bubble "
+        f"{bubble_fraction(P, M, R):.1%} of stage time, (P-1)/(M*R+P-1) = {P - 1}/{M * R + P - 1}"
+    )
+
+
 def check_schedule(schedule: Schedule, layers: int, rows: int, where: str = "train.pipeline") -> None:
     """Refuse a schedule that cannot run `layers` layers on batches of `rows` sequences (ConfigError)."""
     P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -163,7 +173,7 @@ def _index(tree: Any, i) -> Any:
 def _ticks(stage_fn: StageFn, schedule: Schedule, chunks, shared, x, extras, aux_zeros):
     """The schedule on one stage (inside shard_map): (stage 0's slots after the last tick, summed aux)."""
     P, M = schedule.stages, schedule.microbatches
-    p = jax.lax.axis_index(AXIS)
+    p = jax.lax.axis_index(AXIS) if P > 1 else 0
     ring = [(i, (i + 1) % P) for i in range(P)]
 
     def tick(carry, t):
@@ -190,6 +200,27 @@ def _ticks(stage_fn: StageFn, schedule: Schedule, chunks, shared, x, extras, aux
     start = (jnp.zeros_like(x[0]), x, aux_zeros)
     (_, slots, aux_sum), _ = jax.lax.scan(tick, start, jnp.arange(schedule.ticks))
     return slots, aux_sum
+
+
+def _widen_on_cpu(body: Callable, whole: tuple) -> tuple[Callable, tuple]:
+    """On the CPU backend: (body taking the `whole` inputs with their bf16 leaves widened to f32, the
+    widened inputs); elsewhere (body, whole) unchanged.
+
+    Why: the transpose of an input given whole to every stage is a psum over `pipeline` in the
+    input's dtype, and XLA CPU aborts compiling a bf16 all-reduce inside a shard_map manual over only
+    some mesh axes (its AllReducePromotion pass rebuilds the reducer from its root, which the SPMD
+    partitioner has made a `copy`: "Invalid binary instruction opcode copy"). Widening at the
+    boundary makes that psum f32; the body narrows back, so the stages compute as before.
+    """
+    if jax.default_backend() != "cpu":
+        return body, whole
+    dtypes = jax.tree.map(lambda a: a.dtype, whole)
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, whole)
+
+    def narrowed(staged, *args):
+        return body(staged, *jax.tree.map(lambda a, d: a.astype(d), args, dtypes))
+
+    return narrowed, wide
 
 
 def run(
@@ -222,8 +253,12 @@ def run(
         slots, aux_sum = _ticks(stage_fn, schedule, chunks, shared, x, extras, aux_zeros)
         return slots[None], jax.tree.map(lambda a: a[None], aux_sum)
 
+    if schedule.stages == 1:  # the same ticks without a shard_map: nothing to hand over
+        slots, aux = body(staged, shared, x, extras)
+        return slots[0], (None if aux is None else to_layers(aux))
     on_stages = jax.tree.map(lambda _: PartitionSpec(AXIS), staged)
     whole = PartitionSpec()
+    body, (shared, x, extras) = _widen_on_cpu(body, (shared, x, extras))
     fn = jax.shard_map(
         body,
         mesh=mesh,

@@ -19,7 +19,7 @@ from shipyard.errors import ConfigError
 from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
-from shipyard.parallel import distributed
+from shipyard.parallel import distributed, pipeline
 from shipyard.runs import announce_vocab_resize, base_params, check_ids_fit, check_init_from, run_tokenizer
 from shipyard.train import remote_run
 from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
@@ -36,7 +36,13 @@ from shipyard.train.loop import (
 )
 from shipyard.train.metrics import flops_per_token, peak_flops
 from shipyard.train.preference_data import load_preference_data
-from shipyard.train.program import TrainProgram, build_program, document_eos_id, reference_on_the_fly
+from shipyard.train.program import (
+    TrainProgram,
+    build_program,
+    document_eos_id,
+    pipeline_schedule,
+    reference_on_the_fly,
+)
 from shipyard.train.reference import ReferencedLoader, ReferencedRows, cached_reference, reference_copy
 from shipyard.train.rundir import (
     check_resumable,
@@ -256,6 +262,9 @@ def announce(program: TrainProgram, state, run_dir: Path, say: Say) -> None:
         f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
         f"mesh {dict(mesh.shape)}, run dir {run_dir}"
     )
+    schedule = pipeline_schedule(cfg, mesh)
+    if schedule is not None:
+        say(f"shipyard: {pipeline.describe(schedule)}")
     if program.partition.kind != "full":
         n_train = sum(x.size for x in jax.tree.leaves(state.params))
         say(
