@@ -223,27 +223,6 @@ def _widen_on_cpu(body: Callable, whole: tuple) -> tuple[Callable, tuple]:
     return narrowed, wide
 
 
-def _widen_on_cpu(body: Callable, whole: tuple) -> tuple[Callable, tuple]:
-    """On the CPU backend: (body taking the `whole` inputs with their bf16 leaves widened to f32, the
-    widened inputs); elsewhere (body, whole) unchanged.
-
-    Why: the transpose of an input given whole to every stage is a psum over `pipeline` in the
-    input's dtype, and XLA CPU aborts compiling a bf16 all-reduce inside a shard_map manual over only
-    some mesh axes (its AllReducePromotion pass rebuilds the reducer from its root, which the SPMD
-    partitioner has made a `copy`: "Invalid binary instruction opcode copy"). Widening at the
-    boundary makes that psum f32; the body narrows back, so the stages compute as before.
-    """
-    if jax.default_backend() != "cpu":
-        return body, whole
-    dtypes = jax.tree.map(lambda a: a.dtype, whole)
-    wide = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, whole)
-
-    def narrowed(staged, *args):
-        return body(staged, *jax.tree.map(lambda a, d: a.astype(d), args, dtypes))
-
-    return narrowed, wide
-
-
 def run(
     stage_fn: StageFn,
     stage_params: Any,
@@ -279,7 +258,6 @@ def run(
         return slots[0], (None if aux is None else to_layers(aux))
     on_stages = jax.tree.map(lambda _: PartitionSpec(AXIS), staged)
     whole = PartitionSpec()
-    body, (shared, x, extras) = _widen_on_cpu(body, (shared, x, extras))
     body, (shared, x, extras) = _widen_on_cpu(body, (shared, x, extras))
     fn = jax.shard_map(
         body,
