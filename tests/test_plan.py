@@ -190,3 +190,30 @@ def test_cli_compare_prints_the_layouts_side_by_side(tmp_path, capsys):
     other = data["compare"]["fsdp=32,expert=8 train.pipeline=null train.microbatches=16"]
     assert data["devices"] == 1536 and other["devices"] == 256 and other["pipeline"] is None
     assert data["step_seconds"] < other["step_seconds"] / 4
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rehearses_on_cpu(tmp_path):
+    """bench/accelerator.py's --smoke shape runs end to end here (a GPU session runs the real shapes)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "acc.json"
+    cmd = [
+        sys.executable,
+        "bench/accelerator.py",
+        "--smoke",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    r = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    assert "error" not in row, row
+    assert row["tokens_per_second"] > 0 and 0 < row["mfu"] < 1
+    assert row["peak_bytes_compiled"] > row["peak_bytes_analytic"] > 0
+    assert len(row["losses"]) == 2 and all(x == x for x in row["losses"])
