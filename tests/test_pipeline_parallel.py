@@ -110,16 +110,19 @@ def test_schedule_equals_the_layers_in_order(stages, microbatches, repeats):
         )
         return pipeline.merge_microbatches(out), aux
 
+    # every output row and column weighs differently: a microbatch returned in another's place shows
+    weights = jnp.arange(rows)[:, None] + jnp.arange(width)[None, :] / width
+
     def loss_piped(params, first, x):
         y, aux = piped(params, first, x)
-        return jnp.sum(y * jnp.arange(width)) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
+        return jnp.sum(y * weights) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
 
     def loss_sequential(params, first, x):
         y, outs = _toy_sequential(params, first, x, scale)
         # the schedule sums each layer's per-microbatch mean over microbatches
         split = pipeline.split_microbatches
         aux = jnp.stack([jnp.sum(jnp.mean(split(o, microbatches), axis=(1, 2))) for o in outs])
-        return jnp.sum(y * jnp.arange(width)) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
+        return jnp.sum(y * weights) + jnp.sum(aux * jnp.arange(n)) / microbatches, aux
 
     (got, got_aux), got_grads = jax.jit(jax.value_and_grad(loss_piped, argnums=(0, 1, 2), has_aux=True))(
         params, first, x
