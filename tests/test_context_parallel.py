@@ -24,6 +24,7 @@ from shipyard.model.params import init_params
 from shipyard.model.ring_attention import ring_attention
 from shipyard.parallel.context import check_config, zigzag_order
 from shipyard.parallel.mesh import make_mesh
+from shipyard.parallel.pipeline import schedule_for
 from shipyard.train.program import activation_sharding, build_program
 from shipyard.train.step import init_state, make_gradient_fn
 
@@ -136,7 +137,9 @@ def _run(preset: str, overrides: list[str], mesh_cfg: MeshConfig, devices: int, 
         cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
     )
     B, L = cfg.train.global_batch_size, cfg.data.seq_len
-    act = activation_sharding(cfg, program.mesh, program.rules, B)
+    schedule = schedule_for(cfg, program.mesh)  # rows per microbatch as the program has them
+    rows = B // cfg.train.microbatches // (schedule.microbatches if schedule else 1)
+    act = activation_sharding(cfg, program.mesh, program.rules, rows)
     gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
     gradients = jax.jit(
         lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
@@ -183,18 +186,28 @@ def test_context_steps_equal_one_device(reference, byte_tokens, mesh_cfg, device
     _assert_same_run(_run("tiny", TINY + DOCS + WINDOW, mesh_cfg, devices, byte_tokens), reference)
 
 
+MOE = TINY + DOCS + ["model.num_layers=2", "model.moe.first_dense_layers=0", "model.moe.num_experts=4"]
+MOE += ["model.moe.expert_intermediate_size=32", "train.pipeline.microbatches=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(byte_tokens):
+    return _run("moe-tiny", MOE, MeshConfig(data=1), 1, byte_tokens)
+
+
 @pytest.mark.slow
-def test_moe_with_context_and_expert_parallelism_equals_one_device(byte_tokens):
+@pytest.mark.parametrize(
+    "mesh_cfg,devices",
+    [(MeshConfig(data=1, context=2, expert=2), 4), (MeshConfig(data=1, pipeline=2, context=2, expert=2), 8)],
+    ids=["context=2,expert=2", "pipeline=2,context=2,expert=2"],
+)
+def test_moe_with_context_and_expert_parallelism_equals_one_device(
+    moe_reference, byte_tokens, mesh_cfg, devices
+):
     """The MoE layer's own shard_map (experts over `expert`, tokens split over batch and seq)
-    composes with the ring: moe-tiny shrunk (its leading dense layer and one MoE layer of 4
-    experts), context=2 x expert=2, with document masking."""
-    moe = (
-        TINY
-        + DOCS
-        + ["model.num_layers=2", "model.moe.num_experts=4", "model.moe.expert_intermediate_size=32"]
-    )
-    ref = _run("moe-tiny", moe, MeshConfig(data=1), 1, byte_tokens)
-    _assert_same_run(_run("moe-tiny", moe, MeshConfig(data=1, context=2, expert=2), 4, byte_tokens), ref)
+    composes with the ring, and the ring nests inside pipeline stages: moe-tiny shrunk (two MoE
+    layers of 4 experts), document masking, the pipeline schedule in 2 microbatches."""
+    _assert_same_run(_run("moe-tiny", MOE, mesh_cfg, devices, byte_tokens), moe_reference)
 
 
 def test_packed_chat_gradients_equal_one_device():
