@@ -115,6 +115,10 @@ def test_chunks_are_counted_per_device():
     assert num_chunks((8, 512), 100, act) == 11
     assert num_chunks((8, 512), None, act) == 1
     assert num_chunks((8, 4), 1, act) == 4  # at least one position per row per chunk
+    # The embed dim sharded (fsdp not taken by the batch): only [batch, seq]'s axes count.
+    fsdp = make_mesh(load_config("tiny", ["mesh.data=1", "mesh.fsdp=8"]).mesh)
+    embed_split = NamedSharding(fsdp, PartitionSpec(None, None, "fsdp"))
+    assert num_chunks((4, 1024), 2048, embed_split) == 2
     assert logits_bytes(4096, 1000, None) == 2 * 4 * 4096 * 1000
     assert logits_bytes(4096, 1000, 512) == 2 * 4 * 512 * 1000
     assert accumulator_bytes(4096, 64, 1000, 512) == 4 * 64 * 1000

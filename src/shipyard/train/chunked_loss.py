@@ -46,7 +46,16 @@ def num_chunks(shape: tuple[int, int], chunk_tokens: int | None, sharding=None) 
     """
     if chunk_tokens is None:
         return 1
-    rows, seq = sharding.shard_shape((*shape, 1))[:2] if sharding is not None else shape
+    rows, seq = shape
+    if sharding is not None:
+        # Only the [batch, seq] dims' mesh axes matter (the embed dim's may not divide a stand-in size).
+        spec = tuple(sharding.spec) + (None, None)
+
+        def split(entry) -> int:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            return math.prod(sharding.mesh.shape[a] for a in axes)
+
+        rows, seq = math.ceil(rows / split(spec[0])), math.ceil(seq / split(spec[1]))
     return min(max(math.ceil(rows * seq / chunk_tokens), 1), shape[1])
 
 
