@@ -333,3 +333,24 @@ def test_active_parameters_and_flops_count_only_chosen_experts():
     assert flops_per_token(moe, 128) == flops_per_token(dense, 128) + 6 * router
     specs = param_specs(moe)
     assert init_params(specs, jax.random.key(0)).blocks is None  # no dense layers: no dense stack
+
+
+@pytest.mark.parametrize(
+    "mesh", [["mesh.data=2", "mesh.expert=4"], ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"]]
+)
+def test_expert_parallel_gradients_equal_one_device_when_rows_do_not_split_over_experts(mesh):
+    # 2 rows over data x expert: the batch stays whole on every expert shard
+    # (no token gather), so each shard routes the same tokens; the input's and
+    # router's gradients must still sum every shard's experts exactly once.
+    cfg = load_config("moe-tiny", [*mesh, "data.seq_len=32", "model.num_layers=2"])
+    params = noisy_params(cfg.model, key=0, seed=0, scale=0.02)
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
+    g1, s1, _ = _grads_on(cfg, params, tokens)
+    g8, s8, _ = _grads_on(cfg, params, tokens, make_mesh(cfg.mesh))
+    assert g8.moe_blocks.moe.w_gate.sharding.spec[1] == "expert"
+    np.testing.assert_allclose(float(s8.ce), float(s1.ce), rtol=1e-5)
+    paths = jax.tree_util.tree_leaves_with_path(g1)
+    for (path, a), b in zip(paths, jax.tree.leaves(g8)):
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a), atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )

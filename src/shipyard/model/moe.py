@@ -318,7 +318,17 @@ def _sharded(h, p: MoEParams, moe: MoEConfig, mesh: Mesh, rules):
             x = jax.lax.all_gather(x, expert_axes, axis=0, tiled=True)
         weights, experts, sums = route(x, router, bias, moe)
         first = jax.lax.axis_index(expert_axes) * (X // ep) if expert_axes else 0
-        y = experts_forward(x, weights, experts, w_gate, w_up, w_down, moe, first_expert=first)
+        xe, we = x, weights
+        replicated = tuple(a for a in expert_axes if a not in token_axes)
+        if replicated and not gather:
+            # Without the gather, x and the weights are the same on every
+            # expert shard, and each shard indexes its own subset of them
+            # (indices from its axis_index). Left invariant, their gradients
+            # came out wrong (mlp_norm and router vs one device, rows not
+            # divisible by the expert axes); cast to varying, the transpose
+            # sums every shard's part.
+            xe, we = jax.lax.pcast((x, weights), replicated, to="varying")
+        y = experts_forward(xe, we, experts, w_gate, w_up, w_down, moe, first_expert=first)
         if tensor_axes:
             y = jax.lax.psum(y, tensor_axes)
         if gather:
