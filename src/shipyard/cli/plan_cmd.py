@@ -11,6 +11,7 @@ from shipyard.errors import ConfigError
 
 def _cmd_plan(args) -> int:
     import json
+    import shlex
     from dataclasses import replace
 
     from shipyard.plan import DEVICES, compare_table, config_mesh, parse_bytes, parse_mesh, plan, render
@@ -29,7 +30,7 @@ def _cmd_plan(args) -> int:
     if args.compare:
         others = []
         for spec in args.compare:
-            mesh, *overrides = spec.split()
+            mesh, *overrides = shlex.split(spec)
             other = load_config_arg(args.config, [*args.overrides, *overrides], "plan --compare")
             p = plan(
                 other,
