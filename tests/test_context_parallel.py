@@ -186,7 +186,8 @@ def test_context_steps_equal_one_device(reference, byte_tokens, mesh_cfg, device
     _assert_same_run(_run("tiny", TINY + DOCS + WINDOW, mesh_cfg, devices, byte_tokens), reference)
 
 
-MOE = TINY + DOCS + ["model.num_layers=2", "model.moe.first_dense_layers=0", "model.moe.num_experts=4"]
+# One leading dense layer: under a pipeline it runs inside stage 0, with the ring's collectives in it.
+MOE = TINY + DOCS + ["model.num_layers=3", "model.moe.first_dense_layers=1", "model.moe.num_experts=4"]
 MOE += ["model.moe.expert_intermediate_size=32", "train.pipeline.microbatches=2"]
 
 

@@ -262,7 +262,13 @@ def _pipeline_stacks(
             def run_prefix(h):
                 return jax.lax.scan(body, h, (dense, dense_windows, None))[0]
 
-            h = jax.lax.cond(index == 0, run_prefix, lambda h: h, h)
+            if layers.cpu_backend():
+                # XLA CPU's collectives rendezvous every device of the program, so a collective (the
+                # ring's ppermutes, tensor all-reduces) inside a branch only stage 0 takes deadlocks:
+                # there every stage computes the prefix and stage 0 keeps it.
+                h = jnp.where(index == 0, run_prefix(h), h)
+            else:
+                h = jax.lax.cond(index == 0, run_prefix, lambda h: h, h)
         blocks, chunk_windows = chunk
         return jax.lax.scan(body, h, (blocks, chunk_windows, None), unroll=unroll)
 

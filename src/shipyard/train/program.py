@@ -21,8 +21,8 @@ from shipyard.config import Config
 from shipyard.data.chat_format import BATCH_KEYS
 from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
-from shipyard.model.params import abstract_params, param_shardings
 from shipyard.model.attention import attention_impl
+from shipyard.model.params import abstract_params, param_shardings
 from shipyard.parallel.context import check_config as check_context
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.parallel.pipeline import Schedule, check_schedule, schedule_for
