@@ -8,25 +8,22 @@ and every gradient; the residual stream really is split along seq on the devices
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from mesh_fixtures import Run, assert_same_training, assert_trees_close, run_steps
 
 from shipyard.config import MeshConfig, load_config
-from shipyard.data.loader import build_loader
 from shipyard.errors import ConfigError
 from shipyard.model import attention
 from shipyard.model.params import init_params
 from shipyard.model.ring_attention import ring_attention
 from shipyard.parallel.context import check_config, zigzag_order
 from shipyard.parallel.mesh import make_mesh
-from shipyard.parallel.pipeline import schedule_for
 from shipyard.train.program import activation_sharding, build_program
-from shipyard.train.step import init_state, make_gradient_fn
+from shipyard.train.step import make_gradient_fn
 
 TINY = [
     "train.global_batch_size=4",
@@ -36,16 +33,6 @@ TINY = [
 ]
 DOCS = ["data.document_masking=true", "data.eos_id=10"]  # byte 10 (newline): many short documents
 WINDOW = ["model.sliding_window=6", "model.global_attention_every=2", "train.microbatches=2"]
-
-
-def _assert_trees_close(got_tree, want_tree, tol=1e-5) -> None:
-    """Every leaf within `tol` of the reference, relative to that leaf's norm."""
-    for (path, got), want in zip(
-        jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
-    ):
-        scale = np.linalg.norm(want)
-        error = np.linalg.norm(np.asarray(got) - want) / max(scale, 1e-30)
-        assert error < tol or (scale == 0 and np.linalg.norm(got) == 0), (jax.tree_util.keystr(path), error)
 
 
 # ----------------------------------------------------------------------------- the order
@@ -114,59 +101,19 @@ def test_ring_attention_equals_one_device_attention_forward_and_backward(context
     (got, got_out), got_grads = run(ring)
     assert float(jnp.max(jnp.abs(got_out - want_out))) < 1e-5
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    _assert_trees_close(got_grads, want_grads)
+    assert_trees_close(got_grads, want_grads)
 
 
 # ----------------------------------------------------------------------------- the train step
 
 
-@dataclass
-class Run:
-    losses: list[float]
-    grad_norms: list[float]
-    gradients: list
-    """Full-batch gradients (host arrays) at the initial and at the final params."""
-
-
 def _run(preset: str, overrides: list[str], mesh_cfg: MeshConfig, devices: int, tokens, steps=5) -> Run:
-    """`steps` train steps of the program of `preset` + `overrides` on `mesh_cfg` over the first
-    `devices` devices, and the gradients of its gradient function before and after."""
-    cfg = load_config(preset, overrides).model_copy(update={"mesh": mesh_cfg})
-    program = build_program(cfg, make_mesh(mesh_cfg, jax.devices()[:devices]))
-    state = init_state(
-        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
-    )
-    B, L = cfg.train.global_batch_size, cfg.data.seq_len
-    schedule = schedule_for(cfg, program.mesh)  # rows per microbatch as the program has them
-    rows = B // cfg.train.microbatches // (schedule.microbatches if schedule else 1)
-    act = activation_sharding(cfg, program.mesh, program.rules, rows)
-    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
-    gradients = jax.jit(
-        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
-        in_shardings=(program.shardings, program.batch_shardings),
-    )
-    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
-    mask = np.ones((B, L), np.float32)
-    mask[:, : L // 4] = 0.0  # a loss mask that the permutation must carry along
-
-    def batch(s):
-        return jax.device_put({"tokens": loader.global_batch(s), "loss_mask": mask}, program.batch_shardings)
-
-    grads = [jax.device_get(gradients(state.params, batch(0)))]
-    losses, grad_norms = [], []
-    for s in range(steps):
-        state, m = program.train_step(state, batch(s), None)
-        losses.append(float(m["loss"]))
-        grad_norms.append(float(m["grad_norm"]))
-    grads.append(jax.device_get(gradients(state.params, batch(steps))))
-    return Run(losses, grad_norms, grads)
-
-
-def _assert_same_run(run: Run, ref: Run) -> None:
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
-    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
-    for got, want in zip(run.gradients, ref.gradients):
-        _assert_trees_close(got, want)
+    """`run_steps` of `preset` + `overrides` on the first `devices` devices, with a loss mask that
+    the context permutation must carry along (the first quarter of every row masked)."""
+    cfg = load_config(preset, overrides)
+    mask = np.ones((cfg.train.global_batch_size, cfg.data.seq_len), np.float32)
+    mask[:, : cfg.data.seq_len // 4] = 0.0
+    return run_steps(cfg, mesh_cfg, jax.devices()[:devices], tokens, steps, mask)
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +130,7 @@ def reference(byte_tokens):
 def test_context_steps_equal_one_device(reference, byte_tokens, mesh_cfg, devices):
     """Document masking, a loss mask, per-layer windows (every second layer global) under scan and
     two microbatches: 5 steps' losses and grad norms, and every gradient before and after."""
-    _assert_same_run(_run("tiny", TINY + DOCS + WINDOW, mesh_cfg, devices, byte_tokens), reference)
+    assert_same_training(_run("tiny", TINY + DOCS + WINDOW, mesh_cfg, devices, byte_tokens), reference)
 
 
 # One leading dense layer: under a pipeline it runs inside stage 0, with the ring's collectives in it.
@@ -208,7 +155,7 @@ def test_moe_with_context_and_expert_parallelism_equals_one_device(
     """The MoE layer's own shard_map (experts over `expert`, tokens split over batch and seq)
     composes with the ring, and the ring nests inside pipeline stages: moe-tiny shrunk (two MoE
     layers of 4 experts), document masking, the pipeline schedule in 2 microbatches."""
-    _assert_same_run(_run("moe-tiny", MOE, mesh_cfg, devices, byte_tokens), moe_reference)
+    assert_same_training(_run("moe-tiny", MOE, mesh_cfg, devices, byte_tokens), moe_reference)
 
 
 def test_packed_chat_gradients_equal_one_device():
@@ -242,7 +189,7 @@ def test_packed_chat_gradients_equal_one_device():
     want_loss, want = gradients(MeshConfig(data=1), 1)
     got_loss, got = gradients(MeshConfig(data=1, context=4, tensor=2), 8)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    _assert_trees_close(got, want)
+    assert_trees_close(got, want)
 
 
 # ----------------------------------------------------------------------------- really split

@@ -4,21 +4,17 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
+from mesh_fixtures import Run, assert_same_training, run_steps
 
 from shipyard.config import MeshConfig, load_config
-from shipyard.data.loader import build_loader
-from shipyard.model.params import init_params
 from shipyard.parallel.distributed import settings
-from shipyard.parallel.mesh import logical_to_pspec, make_mesh
-from shipyard.train.program import TrainProgram, activation_sharding, build_program
-from shipyard.train.step import TrainState, init_state, make_gradient_fn
+from shipyard.parallel.mesh import logical_to_pspec
 
 MESHES = {
     "data=8": dict(data=8),
@@ -28,53 +24,10 @@ MESHES = {
 }
 
 
-@dataclass
-class Run:
-    """What a few real train steps on one mesh produced."""
-
-    state: TrainState
-    losses: list[float]
-    grad_norms: list[float]
-    gradients: list
-    """The full-batch gradients (host arrays) at the initial params and at the final params."""
-    program: TrainProgram
-
-
-def _run(cfg, mesh_cfg, devices, tokens, steps=5) -> Run:
-    """`steps` steps of the train program of `cfg` on a mesh over `devices`, plus the gradients of
-    its real gradient function (train/step.py, with the program's shardings) before and after."""
-    cfg = cfg.model_copy(update={"mesh": mesh_cfg})
-    program = build_program(cfg, make_mesh(mesh_cfg, devices))
-    state = init_state(
-        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
-    )
-    B, L = cfg.train.global_batch_size, cfg.data.seq_len
-    act = activation_sharding(cfg, program.mesh, program.rules, B)
-    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
-    gradients = jax.jit(
-        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
-        in_shardings=(program.shardings, program.batch_shardings),
-    )
-    loader = build_loader([tokens], [1.0], 0, B, L, cfg.model.vocab_size)
-
-    def batch(s):
-        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((B, L), np.float32)}
-        return jax.device_put(host, program.batch_shardings)
-
-    grads = [jax.device_get(gradients(state.params, batch(0)))]
-    losses, grad_norms = [], []
-    for s in range(steps):
-        state, m = program.train_step(state, batch(s), None)
-        losses.append(float(m["loss"]))
-        grad_norms.append(float(m["grad_norm"]))
-    grads.append(jax.device_get(gradients(state.params, batch(steps))))
-    return Run(state, losses, grad_norms, grads, program)
-
-
 @pytest.fixture(scope="module")
 def reference(byte_tokens):
     cfg = load_config("tiny", ["train.global_batch_size=8", "data.seq_len=64"])
-    return cfg, _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+    return cfg, run_steps(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
 
 
 def _assert_optimizer_state_laid_out_like_params(run: Run) -> None:
@@ -96,17 +49,8 @@ def _assert_optimizer_state_laid_out_like_params(run: Run) -> None:
 @pytest.mark.parametrize("name", list(MESHES))
 def test_sharded_steps_equal_one_device(reference, byte_tokens, name):
     cfg, ref = reference
-    run = _run(cfg, MeshConfig(**MESHES[name]), jax.devices(), byte_tokens)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
-    # AdamW and clipping hide a constant gradient scale (a sum over shards instead of a mean) from
-    # losses and params; the gradients themselves do not.
-    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
-    for got_tree, want_tree in zip(run.gradients, ref.gradients):
-        for (path, got), want in zip(
-            jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
-        ):
-            error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-            assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    run = run_steps(cfg, MeshConfig(**MESHES[name]), jax.devices(), byte_tokens)
+    assert_same_training(run, ref)
     for got, want in zip(
         jax.tree.leaves(jax.device_get(run.state.params)), jax.tree.leaves(ref.state.params)
     ):
@@ -127,7 +71,7 @@ def test_fsdp8_each_device_holds_an_eighth(byte_tokens, optimizer):
     cfg = load_config(
         "tiny", ["train.global_batch_size=8", "data.seq_len=64", f"train.optimizer.name={optimizer}"]
     )
-    state = _run(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1).state
+    state = run_steps(cfg, MeshConfig(data=1, fsdp=8), jax.devices(), byte_tokens, steps=1).state
     for tree in (state.params, state.opt_state):
         total = on_device0 = 0
         for leaf in jax.tree.leaves(tree):

@@ -12,16 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mesh_fixtures import assert_same_training, run_steps
 
 from shipyard.cli.main import main
 from shipyard.config import MeshConfig, load_config
-from shipyard.data.loader import build_loader
 from shipyard.errors import ConfigError
-from shipyard.model.params import init_params
 from shipyard.parallel import pipeline
 from shipyard.parallel.mesh import make_mesh
-from shipyard.train.program import TrainProgram, activation_sharding, build_program
-from shipyard.train.step import TrainState, init_state, make_gradient_fn
+from shipyard.train.program import build_program
 
 B, L = 8, 32
 TINY = [
@@ -151,69 +149,17 @@ def test_schedule_refusals():
 # ----------------------------------------------------------------------------- training on a mesh
 
 
-@dataclass
-class Run:
-    state: TrainState
-    losses: list[float]
-    grad_norms: list[float]
-    gradients: list
-    """Full-batch gradients (host arrays) at the initial and at the final params."""
-    program: TrainProgram
-
-
-def _run(cfg, mesh_cfg: MeshConfig, devices, tokens, steps: int = 5) -> Run:
-    """`steps` train steps of `cfg` on a mesh over `devices`, and the gradients of its gradient function."""
-    cfg = cfg.model_copy(update={"mesh": mesh_cfg})
-    program = build_program(cfg, make_mesh(mesh_cfg, devices))
-    state = init_state(
-        cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
-    )
-    micro = cfg.train.pipeline.microbatches if cfg.train.pipeline else 1
-    rows, seq = cfg.train.global_batch_size, cfg.data.seq_len
-    act = activation_sharding(cfg, program.mesh, program.rules, rows // cfg.train.microbatches // micro)
-    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
-    gradients = jax.jit(
-        lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
-        in_shardings=(program.shardings, program.batch_shardings),
-    )
-    loader = build_loader([tokens], [1.0], 0, rows, seq, cfg.model.vocab_size)
-
-    def batch(s):
-        host = {"tokens": loader.global_batch(s), "loss_mask": np.ones((rows, seq), np.float32)}
-        return jax.device_put(host, program.batch_shardings)
-
-    grads = [jax.device_get(gradients(state.params, batch(0)))]
-    losses, grad_norms = [], []
-    for s in range(steps):
-        state, m = program.train_step(state, batch(s), None)
-        losses.append(float(m["loss"]))
-        grad_norms.append(float(m["grad_norm"]))
-    grads.append(jax.device_get(gradients(state.params, batch(steps))))
-    return Run(state, losses, grad_norms, grads, program)
-
-
-def _assert_same_training(run: Run, ref: Run) -> None:
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
-    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-5)
-    for got_tree, want_tree in zip(run.gradients, ref.gradients):
-        for (path, got), want in zip(
-            jax.tree_util.tree_flatten_with_path(got_tree)[0], jax.tree.leaves(want_tree)
-        ):
-            error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-            assert error < 1e-5, (jax.tree_util.keystr(path), error)
-
-
 @pytest.fixture(scope="module")
 def dense_reference(byte_tokens):
     cfg = load_config("tiny", TINY)
-    return _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+    return run_steps(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
 
 
 def test_circular_pipeline_with_fsdp_and_tensor_equals_one_device(dense_reference, byte_tokens):
     """pipeline=2 x fsdp=2 x tensor=2, two rounds of the circular schedule, 4 microbatches."""
     cfg = load_config("tiny", [*TINY, "train.pipeline.microbatches=4", "train.pipeline.repeats=2"])
-    run = _run(cfg, MeshConfig(pipeline=2, data=1, fsdp=2, tensor=2), jax.devices(), byte_tokens)
-    _assert_same_training(run, dense_reference)
+    run = run_steps(cfg, MeshConfig(pipeline=2, data=1, fsdp=2, tensor=2), jax.devices(), byte_tokens)
+    assert_same_training(run, dense_reference)
     # the stored layout is [layers, ...] in layer order, split over the stages in contiguous blocks
     wq = run.state.params.blocks.wq
     assert wq.shape[0] == 4 and wq.sharding.spec[0] == "pipeline"
@@ -234,8 +180,8 @@ DENSE_MESHES = {
 def test_dense_pipeline_meshes_equal_one_device(dense_reference, byte_tokens, name):
     mesh, devices, schedule = DENSE_MESHES[name]
     cfg = load_config("tiny", [*TINY, *schedule])
-    run = _run(cfg, MeshConfig(**mesh), jax.devices()[:devices], byte_tokens)
-    _assert_same_training(run, dense_reference)
+    run = run_steps(cfg, MeshConfig(**mesh), jax.devices()[:devices], byte_tokens)
+    assert_same_training(run, dense_reference)
 
 
 # MoE: the reference accumulates the same 4 microbatches (train.microbatches=4, the same strided rows),
@@ -250,7 +196,7 @@ MOE_MESHES = {
 @pytest.fixture(scope="module")
 def moe_reference(byte_tokens):
     cfg = load_config("moe-tiny", [*MOE, "train.global_batch_size=16", "train.microbatches=4"])
-    return _run(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
+    return run_steps(cfg, MeshConfig(data=1), jax.devices()[:1], byte_tokens)
 
 
 @pytest.mark.slow
@@ -262,8 +208,8 @@ def test_moe_pipeline_meshes_equal_one_device(moe_reference, byte_tokens, name):
     cfg = load_config(
         "moe-tiny", [*MOE, "train.global_batch_size=16", "train.pipeline.microbatches=4", *extra]
     )
-    run = _run(cfg, MeshConfig(**mesh), jax.devices(), byte_tokens)
-    _assert_same_training(run, moe_reference)
+    run = run_steps(cfg, MeshConfig(**mesh), jax.devices(), byte_tokens)
+    assert_same_training(run, moe_reference)
     assert run.state.params.moe_blocks.moe.w_gate.sharding.spec[:2] == ("pipeline", "expert")
 
 
