@@ -11,7 +11,7 @@ from kill_fixtures import final_params, logged_losses, logged_rows, saves_in_pro
 STEPS = 30
 WARMUP = 4
 EVERY = 5
-EXPERT_PARALLEL = "mesh {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 4}"
+EXPERT_PARALLEL = "mesh {'pipeline': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 1, 'expert': 4}"
 
 
 def _args(tokens) -> list[str]:
