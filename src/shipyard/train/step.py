@@ -99,15 +99,16 @@ def init_state(
 
     def build(params):
         opt_state = _pin_like_params(optimizer.init(params), params, shardings)
-        return TrainState(
+        state = TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=offload.to_host(params) if cfg.train.offload.params else params,
-            opt_state=offload.to_host(opt_state) if cfg.train.offload.optimizer else opt_state,
+            params=params,
+            opt_state=opt_state,
             loss_scale=jnp.full((), scale, jnp.float32),
             good_steps=jnp.zeros((), jnp.int32),
             nonfinite=jnp.zeros((), jnp.int32),
             nonfinite_run=jnp.zeros((), jnp.int32),
         )
+        return _offloaded(state, cfg.train.offload)
 
     return jax.jit(build)(params)
 
