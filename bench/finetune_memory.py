@@ -50,8 +50,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from shipyard.config import load_config
+    from shipyard.model.partition import Partition
     from shipyard.plan import compiled
-    from shipyard.train.finetune import Partition
 
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     rows = []

@@ -18,7 +18,7 @@ machine: torch's OpenMP threads slow down by 10x or more when another process
 takes a core, which would inflate the ratio.
 
 The int8 row is the same shipyard run with `--quantize int8`'s weights
-(`model.quant.quantize_params`: attention, MLP and output head as int8 with
+(`model.quantize.quantize_params`: attention, MLP and output head as int8 with
 per-output-channel scales; embeddings and norms fp32), in its own child
 process, timed the same way; its ratio is to transformers' fp32. Its tokens
 are compared with shipyard fp32's (this random model's distributions are
@@ -73,7 +73,7 @@ def write_run(run_dir: Path) -> None:
     from shipyard.config import load_config, to_yaml
     from shipyard.model.params import init_params
     from shipyard.model.transformer import param_specs
-    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.run.checkpoint import Checkpointer
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state
 
@@ -98,8 +98,8 @@ def shipyard_generator(run_dir: Path, quantize: str | None = None):
     import jax
 
     from shipyard.inference.generate import Generator
-    from shipyard.model.quant import maybe_quantize
-    from shipyard.runs import load_model
+    from shipyard.model.quantize import maybe_quantize
+    from shipyard.run.model_dir import load_model
 
     cfg, _, params = load_model(run_dir)
     params = maybe_quantize(jax.tree.map(jax.numpy.asarray, params), cfg.model, quantize)

@@ -123,7 +123,7 @@ def write_run(run_dir: Path, n_special: int) -> None:
     from shipyard.config import load_config, to_yaml
     from shipyard.model.params import init_params
     from shipyard.model.transformer import param_specs
-    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.run.checkpoint import Checkpointer
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state
 

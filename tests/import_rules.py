@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-# Bottom first. A module is placed by its longest matching prefix.
+# Bottom first. A module is placed by its longest matching prefix. A prefix names a package (a
+# directory: everything under it) or a module directly under shipyard/; a top-level module must sit in
+# the layer its imports say (the highest layer it imports from, base when none): `misplaced`.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
@@ -27,18 +29,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("shipyard.model",)),
     ("data", ("shipyard.data",)),
     ("interop", ("shipyard.interop",)),
-    ("train", ("shipyard.train", "shipyard.runs")),
+    ("run", ("shipyard.run",)),
+    ("train", ("shipyard.train", "shipyard.plan")),
     ("inference", ("shipyard.inference",)),
-    ("eval", ("shipyard.eval",)),
-    ("plan", ("shipyard.plan", "shipyard.report")),
-    ("pipeline", ("shipyard.pipeline",)),
-    ("cli", ("shipyard.cli", "shipyard.lm_eval_adapter")),
+    ("eval", ("shipyard.eval", "shipyard.lm_eval_adapter")),
+    ("experiment", ("shipyard.experiment",)),
+    ("cli", ("shipyard.cli",)),
 ]
 
 
-def layer_of(module: str) -> int | None:
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> int | None:
     best, best_len = None, -1
-    for i, (_, prefixes) in enumerate(LAYERS):
+    for i, (_, prefixes) in enumerate(layers):
         for p in prefixes:
             # the bare package name places only shipyard/__init__.py, not everything under it
             inside = module.startswith(p + ".") and p != "shipyard"
@@ -92,21 +94,140 @@ def imports_of(path: Path, module: str) -> list[tuple[str, list[str], int]]:
     return out
 
 
-def upward_edges(src: Path) -> list[str]:
+def upward_edges(src: Path, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
     mods = modules(src)
     edges = []
     for mod, path in mods.items():
-        own = layer_of(mod)
+        own = layer_of(mod, layers)
         for target, _, line in imports_of(path, mod):
             if not (target == "shipyard" or target.startswith("shipyard.")) or target not in mods:
                 continue
-            other = layer_of(target)
+            other = layer_of(target, layers)
             if own is not None and other is not None and other > own:
                 edges.append(
-                    f"{path.relative_to(src.parent)}:{line} {mod} ({LAYERS[own][0]}) imports "
-                    f"{target} ({LAYERS[other][0]})"
+                    f"{path.relative_to(src.parent)}:{line} {mod} ({layers[own][0]}) imports "
+                    f"{target} ({layers[other][0]})"
                 )
     return edges
+
+
+def import_graph(src: Path) -> dict[str, dict[str, int]]:
+    """module -> {shipyard module it imports: first line}, function-local imports included."""
+    mods = modules(src)
+    graph: dict[str, dict[str, int]] = {m: {} for m in mods}
+    for mod, path in mods.items():
+        for target, _, line in imports_of(path, mod):
+            if target in mods and target != mod:
+                graph[mod].setdefault(target, line)
+    return graph
+
+
+def import_cycles(src: Path) -> list[str]:
+    """Every group of modules that import each other round in a circle (a strongly connected
+    component of the import graph with more than one module), each said as one cycle through it with
+    the file:line of every edge, e.g. `a.py:3 a -> b; b.py:9 b -> a`."""
+    graph = import_graph(src)
+    mods = modules(src)
+    out = []
+    for group in _components(graph):
+        if len(group) < 2:
+            continue
+        members = set(group)
+        # one cycle through the group's first module: a shortest path back to it inside the group
+        first = min(group)
+        paths = {first: [first]}
+        frontier = [first]
+        cycle = None
+        while frontier and cycle is None:
+            nxt = []
+            for m in frontier:
+                for t in sorted(graph[m]):
+                    if t == first:
+                        cycle = paths[m] + [first]
+                        break
+                    if t in members and t not in paths:
+                        paths[t] = paths[m] + [t]
+                        nxt.append(t)
+                if cycle is not None:
+                    break
+            frontier = nxt
+        hops = [
+            f"{mods[a].relative_to(src.parent)}:{graph[a][b]} {a} -> {b}" for a, b in zip(cycle, cycle[1:])
+        ]
+        out.append(f"{len(group)} modules ({', '.join(sorted(group))}): " + "; ".join(hops))
+    return out
+
+
+def _components(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components (Tarjan's algorithm, iterative: no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    group.append(m)
+                    if m == node:
+                        break
+                out.append(group)
+    return out
+
+
+def misplaced(src: Path, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    """Placements the imports do not support: a prefix in `layers` that names a module inside a
+    package (a package's modules go where the package goes), and a module directly under shipyard/
+    listed in another layer than the highest one it imports from (base when it imports nothing
+    placed). So a module cannot be filed in a layer its imports do not put it in."""
+    mods = modules(src)
+    graph = import_graph(src)
+    packages = {m for m, p in mods.items() if p.name == "__init__.py"}
+    out = []
+    for name, prefixes in layers:
+        for p in prefixes:
+            parent = p.rsplit(".", 1)[0]
+            if p in mods and p not in packages and parent != "shipyard" and parent in packages:
+                out.append(f"{p} is listed under {name}, apart from its package {parent}")
+    for mod, path in mods.items():
+        if mod in packages or mod.count(".") != 1:
+            continue
+        own = layer_of(mod, layers)
+        placed = [(layer_of(t, layers), t) for t in graph[mod]]
+        top, why = max(((lay, t) for lay, t in placed if lay is not None), default=(0, None))
+        if own is not None and own != top:
+            because = (
+                f"its highest import is {why} ({layers[top][0]})" if why else "it imports nothing placed"
+            )
+            out.append(
+                f"{path.relative_to(src.parent)} is listed under {layers[own][0]}, but {because}: "
+                f"it belongs in {layers[top][0]}"
+            )
+    return out
 
 
 def _is_private(name: str) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from shipyard.train.checkpoint import restore
+from shipyard.run.checkpoint import restore
 
 # Orbax writes a checkpoint under "<step>.orbax-checkpoint-tmp..." and renames it when complete.
 _SAVING = "orbax-checkpoint-tmp"

@@ -18,8 +18,7 @@ from shipyard.config import Config, MeshConfig
 from shipyard.data.loader import build_loader
 from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
-from shipyard.parallel.pipeline import schedule_for
-from shipyard.train.program import TrainProgram, activation_sharding, build_program
+from shipyard.train.program import TrainProgram, build_program
 from shipyard.train.step import TrainState, init_state, make_gradient_fn
 
 
@@ -45,10 +44,7 @@ def run_steps(cfg: Config, mesh_cfg: MeshConfig, devices, tokens, steps: int = 5
         cfg, init_params(program.specs, jax.random.key(0), program.shardings), program.optimizer
     )
     B, L = cfg.train.global_batch_size, cfg.data.seq_len
-    schedule = schedule_for(cfg, program.mesh)  # rows per microbatch as the program has them
-    rows = B // cfg.train.microbatches // (schedule.microbatches if schedule else 1)
-    act = activation_sharding(cfg, program.mesh, program.rules, rows)
-    gradient_fn = make_gradient_fn(cfg, program.eos_id, act, program.rules, program.partition)
+    gradient_fn = make_gradient_fn(cfg, program.eos_id, program.layout, program.partition)
     gradients = jax.jit(
         lambda params, batch: gradient_fn(params, None, batch, 1.0)[0],
         in_shardings=(program.shardings, program.batch_shardings),

@@ -31,7 +31,7 @@ def save_run(run_dir, cfg, params) -> None:
     import jax.numpy as jnp
 
     from shipyard.config import to_yaml
-    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.run.checkpoint import Checkpointer
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state
 

@@ -114,7 +114,7 @@ def _cfg(**kw) -> ModelConfig:
 
 
 def test_whole_model_gradients_match_with_per_layer_windows_under_scan():
-    """A 3-layer model through `transformer.attention_block` (RoPE, qk-norm, GQA, packed documents),
+    """A 3-layer model through `transformer.attention_sublayer` (RoPE, qk-norm, GQA, packed documents),
     local layers (window 8) and a global one as a traced window array under lax.scan: logits and
     every parameter's gradient (each block's q/k/v/o weights and norms included) equal the
     reference path's within 1e-5 of each tensor's norm."""

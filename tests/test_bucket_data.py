@@ -253,7 +253,7 @@ def test_a_tokenizer_url_is_fetched_once_and_checked_against_its_marker(bucket, 
     enc = load_tokenizer(tok).encode("Kabel lodor.").ids
     assert load_tokenizer(f"{tok}/tokenizer.json").encode("Kabel lodor.").ids == enc
     # chat and preference data take the same URL (data.chat.tokenizer / data.preference.tokenizer)
-    from shipyard.runs import chat_tokenizer_path
+    from shipyard.train.startup import chat_tokenizer_path
 
     assert (
         load_tokenizer(chat_tokenizer_path(f"{tok}/tokenizer.json", None)).encode("Kabel lodor.").ids == enc

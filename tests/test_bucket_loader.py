@@ -241,7 +241,7 @@ def test_ids_of_a_token_npy_in_a_bucket_are_checked_against_the_runs_tokenizer(b
     from hf_fixtures import write_bpe
 
     from shipyard.config import load_config
-    from shipyard.runs import check_ids_fit
+    from shipyard.train.startup import check_ids_fit
 
     url = f"{bucket}/ids.npy"
     storage.write_bytes(url, byte_tokens.read_bytes())  # byte ids up to 255

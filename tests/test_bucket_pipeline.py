@@ -19,7 +19,7 @@ from s3_fixtures import SECRET_KEY, FaultProxy
 from shipyard import storage
 from shipyard.cli.main import main
 from shipyard.errors import ConfigError
-from shipyard.pipeline.executor import fetch_output, load_pipeline, plan_pipeline, run_pipeline
+from shipyard.experiment.executor import fetch_output, load_pipeline, plan_pipeline, run_pipeline
 
 
 def _pipeline(tmp_path):

@@ -1,4 +1,4 @@
-"""Run directories in a bucket (train/remote_run.py) against moto's S3 server on 127.0.0.1.
+"""Run directories in a bucket (run/remote.py) against moto's S3 server on 127.0.0.1.
 
 Default tier, without training (synthetic checkpoint files): the publication order (a
 checkpoint's files, then its sidecar last; deletion sidecar first) and the rule that resume and
@@ -24,8 +24,8 @@ from s3_fixtures import SECRET_KEY, FaultProxy
 from shipyard import storage
 from shipyard.config import CheckpointConfig
 from shipyard.errors import RunDirError
-from shipyard.train import remote_run
-from shipyard.train.checkpoint import SIDECAR, checkpoint_dir, verify_checksums, write_checksums
+from shipyard.run import remote
+from shipyard.run.checkpoint import SIDECAR, checkpoint_dir, verify_checksums, write_checksums
 
 
 def _fake_checkpoint(work: Path, step: int) -> list[str]:
@@ -55,7 +55,7 @@ def test_a_checkpoint_is_published_files_first_sidecar_last_and_deleted_sidecar_
     url = f"{bucket}/runs/order"
     work = _work(tmp_path, [5, 10])
     events: list[tuple[str, str]] = []
-    upload, remove = remote_run._upload, storage.remove
+    upload, remove = remote._upload, storage.remove
 
     def recording_upload(local, to):
         events.append(("put", to[len(url) + 1 :]))
@@ -65,9 +65,9 @@ def test_a_checkpoint_is_published_files_first_sidecar_last_and_deleted_sidecar_
         events.append(("rm", prefix[len(url) + 1 :]))
         return remove(prefix, *a, **k)
 
-    monkeypatch.setattr(remote_run, "_upload", recording_upload)
+    monkeypatch.setattr(remote, "_upload", recording_upload)
     monkeypatch.setattr(storage, "remove", recording_remove)
-    assert remote_run.publish_checkpoint(work, url, 5)
+    assert remote.publish_checkpoint(work, url, 5)
     puts = [name for kind, name in events if kind == "put"]
     assert puts[-1] == f"checkpoints/5{SIDECAR}"  # the marker, after every file of the checkpoint
     assert sorted(puts[:-1]) == sorted(
@@ -75,20 +75,20 @@ def test_a_checkpoint_is_published_files_first_sidecar_last_and_deleted_sidecar_
     )
     # republishing a step deletes its old sidecar before anything else
     assert events[0] == ("rm", f"checkpoints/5{SIDECAR}")
-    assert remote_run.published_steps(url) == [5]
+    assert remote.published_steps(url) == [5]
     events.clear()
-    remote_run.unpublish_checkpoint(url, 5)
+    remote.unpublish_checkpoint(url, 5)
     assert [e for e in events if e[0] == "rm"][:2] == [
         ("rm", f"checkpoints/5{SIDECAR}"),
         ("rm", "checkpoints/5"),
     ]
-    assert remote_run.published_steps(url) == [] and storage.list_files(f"{url}/checkpoints") == []
+    assert remote.published_steps(url) == [] and storage.list_files(f"{url}/checkpoints") == []
 
 
 def test_the_keep_policy_in_the_bucket_is_orbaxs():
     cfg = CheckpointConfig(keep=2, keep_every=10)
-    assert remote_run.doomed_steps([5, 10, 15, 20, 25], cfg) == [5, 15]
-    assert remote_run.doomed_steps([5, 10], CheckpointConfig(keep=None)) == []
+    assert remote.doomed_steps([5, 10, 15, 20, 25], cfg) == [5, 15]
+    assert remote.doomed_steps([5, 10], CheckpointConfig(keep=None)) == []
 
 
 def test_resume_and_readers_never_take_a_half_uploaded_checkpoint(tmp_path, bucket, monkeypatch):
@@ -99,18 +99,18 @@ def test_resume_and_readers_never_take_a_half_uploaded_checkpoint(tmp_path, buck
     url = f"{bucket}/runs/half"
     work = _work(tmp_path, [5, 10, 15, 20])
     for step in (5, 10, 15, 20):
-        assert remote_run.publish_checkpoint(work, url, step)
+        assert remote.publish_checkpoint(work, url, step)
     storage.remove(f"{url}/checkpoints/10{SIDECAR}")
     short = f"{url}/checkpoints/15/default/d/2c3d"
     storage.write_bytes(short, storage.read_bytes(short)[:-7])
     storage.remove(f"{url}/checkpoints/20/default/manifest.ocdbt")
     for name in ("config.yaml", "metrics.jsonl"):
         storage.write_bytes(f"{url}/{name}", (work / name).read_bytes())
-    assert remote_run.published_steps(url) == [20, 15, 5]
+    assert remote.published_steps(url) == [20, 15, 5]
 
-    fresh = remote_run.local_copy(url)
+    fresh = remote.local_copy(url)
     said: list[str] = []
-    assert remote_run.pull_run(url, fresh, said.append) == 5
+    assert remote.pull_run(url, fresh, said.append) == 5
     assert said[0].startswith(
         f"shipyard: checkpoint 20 in {url} is unusable: a file of it cannot be downloaded"
     )
@@ -126,18 +126,18 @@ def test_resume_and_readers_never_take_a_half_uploaded_checkpoint(tmp_path, buck
     assert (fresh / "metrics.jsonl").read_bytes() == (work / "metrics.jsonl").read_bytes()
 
     # opening the run for --resume drops the sidecar-less files of 10 from the bucket
-    remote_run.open_remote(url, resume=True, overwrite=False, say=said.append)
+    remote.open_remote(url, resume=True, overwrite=False, say=said.append)
     assert not [n for n in storage.list_files(f"{url}/checkpoints") if n.startswith("10/")]
 
     with pytest.raises(RunDirError, match=r"^eval: checkpoint 20 of s3://\S+ is unusable: a file of it"):
-        remote_run.fetch_run(url, "eval")
-    remote_run.unpublish_checkpoint(url, 20)
+        remote.fetch_run(url, "eval")
+    remote.unpublish_checkpoint(url, 20)
     with pytest.raises(RunDirError, match="checkpoint 15 .* does not match its recorded sha256"):
-        remote_run.fetch_run(url, "eval")
-    remote_run.unpublish_checkpoint(url, 15)
-    got = remote_run.fetch_run(url, "eval")  # the reader's copy: the newest published, verified
+        remote.fetch_run(url, "eval")
+    remote.unpublish_checkpoint(url, 15)
+    got = remote.fetch_run(url, "eval")  # the reader's copy: the newest published, verified
     assert sorted(p.name for p in checkpoint_dir(got).iterdir()) == ["5", f"5{SIDECAR}"]
-    assert remote_run.fetch_run(url, "eval") == got  # current: reused
+    assert remote.fetch_run(url, "eval") == got  # current: reused
 
 
 def test_a_run_in_the_bucket_is_not_overwritten_without_asking(tmp_path, bucket, monkeypatch):
@@ -145,9 +145,9 @@ def test_a_run_in_the_bucket_is_not_overwritten_without_asking(tmp_path, bucket,
     url = f"{bucket}/runs/taken"
     storage.write_bytes(f"{url}/config.yaml", b"run: {}\n")
     with pytest.raises(RunDirError, match=r"already holds a run \(config.yaml\); pass --resume"):
-        remote_run.open_remote(url, resume=False, overwrite=False, say=print)
+        remote.open_remote(url, resume=False, overwrite=False, say=print)
     assert storage.list_files(url) == ["config.yaml"]
-    remote_run.open_remote(url, resume=False, overwrite=True, say=print)
+    remote.open_remote(url, resume=False, overwrite=True, say=print)
     assert storage.list_files(url) == []
 
 
@@ -176,7 +176,7 @@ def _kill(proc) -> str:
 def _resume(url: str, args: list[str]):
     """A run resumed on a fresh machine: its working copy is deleted first, so all it has is the
     bucket. (the process, the checkpoint it resumed from, what it said up to there)."""
-    shutil.rmtree(remote_run.local_copy(url), ignore_errors=True)
+    shutil.rmtree(remote.local_copy(url), ignore_errors=True)
     proc = start_train(url, [*args, "--resume"])
     said = ""
     while "resumed from checkpoint" not in said:
@@ -240,7 +240,7 @@ def test_bucket_run_sigkilled_at_a_step_and_mid_upload_resumes_bitwise(
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     monkeypatch.setenv("SHIPYARD_RUN_CACHE", str(tmp_path / "cache"))
     url = f"{bucket}/runs/tiny"
-    work = remote_run.local_copy(url)
+    work = remote.local_copy(url)
     outputs, rng = [], random.Random(21)
     proc, start = start_train(url, args), 0
     # A SIGKILL at a seeded random step, then kills while a checkpoint is half uploaded: the server
@@ -255,7 +255,7 @@ def test_bucket_run_sigkilled_at_a_step_and_mid_upload_resumes_bitwise(
                 if max(logged_losses(work), default=-1) < t:
                     return False
                 time.sleep(0.2)  # the server and the proxy also serve the run: list the bucket sparingly
-                return bool(remote_run.published_steps(url))
+                return bool(remote.published_steps(url))
 
             wait_until(proc, past)
             time.sleep(rng.uniform(0.0, 0.3))
@@ -268,7 +268,7 @@ def test_bucket_run_sigkilled_at_a_step_and_mid_upload_resumes_bitwise(
             finally:
                 s3_server.resume()
         logged = max(logged_losses(work), default=-1)
-        published = remote_run.published_steps(url)
+        published = remote.published_steps(url)
         stems = {n.split("/")[0] for n in storage.list_files(f"{url}/checkpoints") if "/" in n}
         half = bool({int(s) for s in stems if s.isdigit()} - set(published))
         proc, start, said = _resume(url, args)
@@ -286,9 +286,9 @@ def test_bucket_run_sigkilled_at_a_step_and_mid_upload_resumes_bitwise(
     assert proxy.dropped > 0  # the faults happened, and were ridden out
 
     assert storage.is_published(url)  # the run marker: the final state is all there
-    assert remote_run.published_steps(url) == [STEPS, STEPS - EVERY, STEPS - 2 * EVERY]  # keep: 3
+    assert remote.published_steps(url) == [STEPS, STEPS - EVERY, STEPS - 2 * EVERY]  # keep: 3
     shutil.rmtree(work)  # the bucket alone: the reader's copy of the newest checkpoint, verified
-    got = remote_run.fetch_run(url, "test")
+    got = remote.fetch_run(url, "test")
     bucket_rows = [json.loads(x) for x in storage.read_bytes(f"{url}/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in bucket_rows] == list(range(STEPS))  # each step once, in order
     a = logged_losses(straight)
@@ -305,7 +305,7 @@ def test_urls_are_recorded_without_credentials(tmp_path, monkeypatch):
     """config.yaml and provenance.json record URLs redacted (storage.redact): a key in a URL's user
     info or query, in the config or on the command line, is never written."""
     from shipyard.config import load_config
-    from shipyard.train.rundir import write_run_header
+    from shipyard.run.rundir import write_run_header
 
     leaky = f"s3://AKIAEXAMPLE:{SECRET_KEY}@bucket/runs?token={SECRET_KEY}"
     monkeypatch.setattr("sys.argv", ["shipyard", "train", "tiny", f"run.out_dir={leaky}", "--run-dir", leaky])
@@ -326,7 +326,8 @@ def test_a_run_url_is_read_like_a_run_directory(tmp_path, bucket, monkeypatch):
     from model_fixtures import noisy_params, save_run
 
     from shipyard.config import load_config
-    from shipyard.runs import check_init_from, open_model_dir
+    from shipyard.run.model_dir import open_model_dir
+    from shipyard.train.startup import check_init_from
 
     monkeypatch.setenv("SHIPYARD_RUN_CACHE", str(tmp_path / "cache"))
     cfg = load_config("tiny", [])
@@ -334,7 +335,7 @@ def test_a_run_url_is_read_like_a_run_directory(tmp_path, bucket, monkeypatch):
     save_run(tmp_path / "run", cfg, params)
     url = f"{bucket}/runs/reader"
     storage.write_bytes(f"{url}/config.yaml", (tmp_path / "run" / "config.yaml").read_bytes())
-    assert remote_run.publish_checkpoint(tmp_path / "run", url, 1)
+    assert remote.publish_checkpoint(tmp_path / "run", url, 1)
     model = open_model_dir(url, "generate")
     assert model.kind == "run" and model.steps == (1,)
     got = model.load(what="generate")

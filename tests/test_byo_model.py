@@ -150,7 +150,7 @@ def test_lora_on_the_hf_directory_then_export_peft(byo, tmp_path):
     from chat_fixtures import QUIET, upper_task, write_chats
 
     from shipyard.model.transformer import logits
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     train = write_chats(tmp_path / "train.jsonl", upper_task(0, 64))
     run = tmp_path / "lora"
@@ -225,7 +225,7 @@ def test_training_an_import_on_a_npy_keeps_its_tokenizer(byo, tmp_path, capsys):
     # ids the tokenizer does not have (the model's vocabulary may be padded past it): refused in one line
     from shipyard.config import load_config
     from shipyard.errors import DataError
-    from shipyard.runs import check_ids_fit
+    from shipyard.train.startup import check_ids_fit
 
     np.save(tmp_path / "bad.npy", np.append(ids, byo["tok"].get_vocab_size() + 5).astype(np.uint16))
     cfg = load_config(
@@ -259,11 +259,10 @@ def test_a_byte_level_run_has_no_tokenizer_and_says_how_to_give_one(tmp_path, by
 
 def test_chat_drops_the_oldest_exchanges_not_tokens_mid_turn(byo):
     from shipyard.inference.chat import ChatModel
-    from shipyard.runs import open_model_dir
-    from shipyard.train.sft_data import chat_format_for
+    from shipyard.run.model_dir import chat_format_of, open_model_dir
 
     model_dir = open_model_dir(byo["hf"], "test")
-    fmt = chat_format_for(model_dir.tokenizer(), "auto")
+    fmt = chat_format_of(model_dir.tokenizer(), "auto")
     chat = ChatModel(model_dir.config, None, fmt)
     history = []
     for i in range(6):

@@ -191,7 +191,7 @@ def test_pipeline_steps_train_and_classify_and_check_their_config_first(task, tm
     import yaml
 
     from shipyard.errors import ConfigError
-    from shipyard.pipeline.executor import run_pipeline
+    from shipyard.experiment.executor import run_pipeline
 
     _, pos, neg, _ = task
     spec = {
@@ -226,7 +226,7 @@ def test_pipeline_steps_train_and_classify_and_check_their_config_first(task, tm
     stats = json.loads(best.read_text())
     assert stats["documents_out"] == round(stats["documents_in"] / 2)
     assert (best.parent / "score_histogram.png").is_file()
-    from shipyard.pipeline.steps import digest
+    from shipyard.experiment.steps import digest
 
     model_dir = tmp_path / "out" / json.loads(best.read_text())["model"].split("/out/")[-1]
     assert set(digest("classifier-train", model_dir)) == {"model.bin", "report"}

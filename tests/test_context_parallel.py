@@ -22,7 +22,7 @@ from shipyard.model.params import init_params
 from shipyard.model.ring_attention import ring_attention
 from shipyard.parallel.context import check_config, zigzag_order
 from shipyard.parallel.mesh import make_mesh
-from shipyard.train.program import activation_sharding, build_program
+from shipyard.train.program import build_program
 from shipyard.train.step import make_gradient_fn
 
 TINY = [
@@ -181,8 +181,7 @@ def test_packed_chat_gradients_equal_one_device():
         c = cfg.model_copy(update={"mesh": mesh_cfg})
         program = build_program(c, make_mesh(mesh_cfg, jax.devices()[:devices]))
         params = init_params(program.specs, jax.random.key(0), program.shardings)
-        act = activation_sharding(c, program.mesh, program.rules, B)
-        fn = make_gradient_fn(c, None, act, program.rules, program.partition)
+        fn = make_gradient_fn(c, None, program.layout, program.partition)
         grads, sums, _ = jax.jit(lambda p, b: fn(p, None, b, 1.0))(params, batch)
         return float(sums.ce), jax.device_get(grads)
 
@@ -209,7 +208,7 @@ def test_activations_are_split_along_seq():
         cfg = load_config("tiny", overrides + sizes)
         mesh = make_mesh(cfg.mesh, jax.devices()[:context])
         program = build_program(cfg, mesh)
-        act = activation_sharding(cfg, mesh, program.rules, 2)
+        act = program.layout.activations(2)
         return program.lower_train_step().compile(), act
 
     def temp(step) -> int:

@@ -12,7 +12,7 @@ from shipyard.config import load_config
 from shipyard.inference.decode import forward_cached, init_cache
 from shipyard.inference.engine import Engine, Request, Sampling, prompt_bucket
 from shipyard.inference.generate import Generator
-from shipyard.model.quant import maybe_quantize
+from shipyard.model.quantize import maybe_quantize
 
 RNG = np.random.default_rng(0)
 LENS = (5, 17, 1, 30, 9, 12, 3, 40, 22, 8)

@@ -186,7 +186,7 @@ def test_unigram_baseline_and_model_bits_per_byte_on_the_same_tokens(setup, held
     """The quickstart's eval step: model and unigram bits/byte over the same first max_sequences."""
     from model_fixtures import save_run
 
-    from shipyard.pipeline.steps import STEPS
+    from shipyard.experiment.steps import STEPS
 
     _, model_cfg, params, tok = setup
     held, train = heldout

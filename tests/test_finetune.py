@@ -15,9 +15,9 @@ from shipyard.cli.main import main
 from shipyard.config import FinetuneConfig, LoraConfig, load_config
 from shipyard.data.chat_format import ChatFormat, pack, pick_template
 from shipyard.data.tokenizer import load_tokenizer
+from shipyard.model.partition import Partition
 from shipyard.model.transformer import logits
-from shipyard.train.checkpoint import restore
-from shipyard.train.finetune import Partition
+from shipyard.run.checkpoint import restore
 from shipyard.train.step import make_gradient_fn
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -131,7 +131,7 @@ def test_lora_run_keeps_the_base_and_holds_only_adapters(chat_runs):
     assert adapters < model / 10
     assert 2 * adapters <= moments <= 2 * adapters + 16  # AdamW's two moments (+ counters): adapters only
     # the merged model: every tensor without an adapter is bitwise the base's, adapted ones moved
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     _, _, merged = load_model(run)
     _, _, original = load_model(base)
@@ -160,7 +160,7 @@ def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     root = chat_runs["root"]
     assert main(["export", "hf", str(chat_runs["base"]), str(root / "base-hf")]) == 0
@@ -193,7 +193,7 @@ def test_peft_loads_the_adapters_on_the_exported_base(chat_runs):
 
 
 def test_last_layer_training_leaves_the_rest_bitwise(chat_runs):
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     root = chat_runs["root"]
     run = train_sft(
@@ -403,6 +403,7 @@ def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
 
     from shipyard.config import MeshConfig
     from shipyard.model.params import param_shardings
+    from shipyard.parallel.layout import layout_for
     from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 
     cfg = load_config("tiny", [f"train.finetune={finetune}"])
@@ -418,8 +419,8 @@ def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
     t_sh = param_shardings(part.trainable_specs(), mesh, rules)
     f_sh = param_shardings(part.frozen_specs(), mesh, rules)
     b_sh = NamedSharding(mesh, logical_to_pspec(("batch", "seq"), (8, 33), mesh, rules))
-    act = NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), (8, 32, 64), mesh, rules))
-    got = jax.jit(make_gradient_fn(cfg, None, act, rules, part), in_shardings=(t_sh, f_sh, b_sh, None))(
+    layout = layout_for(cfg.model_copy(update={"mesh": mesh_cfg}), mesh)
+    got = jax.jit(make_gradient_fn(cfg, None, layout, part), in_shardings=(t_sh, f_sh, b_sh, None))(
         jax.device_put(trainable, t_sh), jax.device_put(frozen, f_sh), jax.device_put(batch, b_sh), 1.0
     )[0]
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -449,7 +450,7 @@ def test_qlora_run_exports_peft_on_its_dequantized_base_and_a_merged_model(chat_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     root = chat_runs["root"]
     qlora = ["train.finetune.quantize_base=nf4", "train.finetune.double_quant=true"]

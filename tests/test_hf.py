@@ -137,7 +137,7 @@ def test_sharded_safetensors_with_index(tmp_path):
 
 def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_tokens, capsys):
     from shipyard.cli.main import main
-    from shipyard.runs import load_model
+    from shipyard.run.model_dir import load_model
 
     run = tmp_path / "run"
     assert (

@@ -331,7 +331,8 @@ def test_train_refuses_a_raising_template_with_one_line(tmp_path, capsys, hf_dir
 
 def test_sft_data_renders_with_the_hf_template_and_the_run_keeps_it(tmp_path, hf_dirs):
     from shipyard.config import load_config
-    from shipyard.train.sft_data import chat_format_for, copy_tokenizer, load_chat_data
+    from shipyard.run.model_dir import chat_format_of
+    from shipyard.train.sft_data import copy_tokenizer, load_chat_data
 
     path, fmt, _, _ = hf_dirs["generation"]  # the template is in chat_template.jinja
     chats = write_chats(tmp_path / "chats.jsonl", upper_task(0, 16))
@@ -346,7 +347,7 @@ def test_sft_data_renders_with_the_hf_template_and_the_run_keeps_it(tmp_path, hf
     copy_tokenizer(data["tokenizer"], tmp_path / "run" / "tokenizer")  # what the trainer does
     kept = tmp_path / "run" / "tokenizer"
     assert (kept / "chat_template.jinja").read_text() == GENERATION
-    again = chat_format_for(kept)  # what chat, eval and generate use
+    again = chat_format_of(kept)  # what chat, eval and generate use
     assert again.template.name == "hf" and again.end_ids == fmt.end_ids
 
 

@@ -2,6 +2,10 @@
 
 - No module imports a layer above its own (function-local imports and literal
   `importlib.import_module` / `__import__` names count).
+- No import cycle between modules, function-local imports included (a group of modules that import
+  each other round in a circle is one unit in disguise, whatever layers they sit in).
+- A module sits where its imports say: a module directly under shipyard/ is listed in the highest
+  layer it imports from, and a package's modules are never listed apart from their package.
 - No module uses another module's `_private` name (`from shipyard.x import _y`, or `x._y` where `x` is a
   shipyard module the file imported).
 - Every module under src/shipyard is placed in a layer.
@@ -31,7 +35,7 @@ import re
 from pathlib import Path
 
 import pytest
-from import_rules import LAYERS, layer_of, modules, private_uses, upward_edges
+from import_rules import LAYERS, import_cycles, layer_of, misplaced, modules, private_uses, upward_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "shipyard"
@@ -90,6 +94,16 @@ def table_mismatches(rows: list[tuple[str, set[str]]]) -> list[str]:
 def test_no_upward_imports():
     edges = upward_edges(SRC)
     assert not edges, "imports that go up the layer table (tests/import_rules.py):\n" + "\n".join(edges)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(SRC)
+    assert not cycles, "modules that import each other in a circle:\n" + "\n".join(cycles)
+
+
+def test_every_module_sits_where_its_imports_say():
+    bad = misplaced(SRC)
+    assert not bad, "placements the imports do not support (tests/import_rules.py LAYERS):\n" + "\n".join(bad)
 
 
 def test_no_private_names_of_other_modules():
@@ -177,6 +191,61 @@ def test_unplaced_modules_are_caught(tmp_path):
     assert unplaced(src) == ["shipyard.newthing", "shipyard.tools", "shipyard.tools.x"]
 
 
+def test_import_cycles_are_caught(tmp_path):
+    # a two-module circle closed by a function-local import (as model/quant.py once closed one through
+    # transformer.param_specs), a three-module one through a relative import, and a chain that is no circle
+    src = fake_tree(
+        tmp_path,
+        {
+            "model/quant.py": "def f():\n    from shipyard.model.transformer import param_specs\n",
+            "model/transformer.py": "from shipyard.model import quant\n",
+            "data/a.py": "from . import b\n",
+            "data/b.py": "import shipyard.data.c\n",
+            "data/c.py": "\n\nfrom shipyard.data.a import x\n",
+            "train/x.py": "from shipyard.train import y\n",
+            "train/y.py": "from shipyard.model import quant\n",
+        },
+    )
+    cycles = import_cycles(src)
+    assert len(cycles) == 2, cycles
+    text = "\n".join(cycles)
+    assert "shipyard/model/quant.py:2 shipyard.model.quant -> shipyard.model.transformer" in text
+    assert "shipyard/model/transformer.py:1 shipyard.model.transformer -> shipyard.model.quant" in text
+    assert "3 modules (shipyard.data.a, shipyard.data.b, shipyard.data.c)" in text
+    assert "shipyard/data/c.py:3 shipyard.data.c -> shipyard.data.a" in text
+    assert "train" not in text
+
+
+def test_placements_the_imports_do_not_support_are_caught(tmp_path):
+    # the old trick: a top-level module that reads like a lower layer filed under train (so train's
+    # imports of it looked downward), and a package's module listed apart from its package
+    src = fake_tree(
+        tmp_path,
+        {
+            "runs.py": "from shipyard.config import Config\n",
+            "config.py": "",
+            "plan.py": "def f():\n    from shipyard.train import program\n",
+            "train/program.py": "",
+            "train/checkpoint.py": "",
+            "model/layers.py": "",
+        },
+    )
+    layers = [
+        ("base", ("shipyard", "shipyard.config")),
+        ("model", ("shipyard.model", "shipyard.train.checkpoint")),
+        ("train", ("shipyard.train", "shipyard.runs", "shipyard.plan")),
+    ]
+    bad = misplaced(src, layers)
+    assert len(bad) == 2, bad
+    assert "shipyard.train.checkpoint is listed under model, apart from its package shipyard.train" in bad
+    assert (
+        "shipyard/runs.py is listed under train, but its highest import is shipyard.config (base): "
+        "it belongs in base"
+    ) in bad
+    # where the imports do put it (plan imports train), the placement stands
+    assert misplaced(src, [layers[0], ("model", ("shipyard.model",)), layers[2]]) == [bad[1]]
+
+
 def test_doc_table_is_parsed_and_compared():
     good = "\n".join(
         ["# Architecture", "", "## Import layers", "", "| layer | modules | notes |", "|---|---|---|"]
@@ -189,7 +258,7 @@ def test_doc_table_is_parsed_and_compared():
     swapped = good.replace("| `model` |", "| `tmp` |").replace("| `parallel` |", "| `model` |")
     swapped = swapped.replace("| `tmp` |", "| `parallel` |")
     assert any("bottom first" in m for m in table_mismatches(doc_layers(swapped)))
-    moved = good.replace("`shipyard.runs`, ", "").replace("`shipyard.runs`", "")
+    moved = good.replace("`shipyard.plan`, ", "").replace(", `shipyard.plan`", "")
     bad = table_mismatches(doc_layers(moved))
-    assert bad == ["layer train: only in the doc [], only in LAYERS ['shipyard.runs']"], bad
+    assert bad == ["layer train: only in the doc [], only in LAYERS ['shipyard.plan']"], bad
     assert doc_layers("# Architecture\n\nno table here\n") is None

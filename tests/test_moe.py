@@ -18,6 +18,7 @@ from shipyard.model.layers import swiglu
 from shipyard.model.moe import capacity, moe_mlp, route
 from shipyard.model.params import init_params, param_shardings
 from shipyard.model.transformer import logits, num_active_params, num_params, param_specs
+from shipyard.parallel.layout import layout_for
 from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
 from shipyard.train.metrics import flops_per_token
 from shipyard.train.program import build_program
@@ -180,9 +181,7 @@ def _grads_on(cfg, params, tokens, mesh=None):
     params = jax.device_put(params, param_shardings(param_specs(cfg.model), mesh, rules))
     spec = logical_to_pspec(("batch", "seq"), tokens.shape, mesh, rules)
     batch = jax.device_put(batch, NamedSharding(mesh, spec))
-    shape = (tokens.shape[0], tokens.shape[1] - 1, cfg.model.hidden_size)
-    act = NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
-    return jax.jit(make_gradient_fn(cfg, None, act, rules))(params, None, batch, 1.0)
+    return jax.jit(make_gradient_fn(cfg, None, layout_for(cfg, mesh)))(params, None, batch, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from model_fixtures import noisy_params
 from shipyard.config import FinetuneConfig, LoraConfig, load_config
 from shipyard.errors import ConfigError
 from shipyard.model import nf4, quant
+from shipyard.model.partition import Partition
 from shipyard.model.transformer import logits
-from shipyard.train.finetune import Partition
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes.functional")

@@ -8,8 +8,8 @@ from shipyard.config import CheckpointConfig, OffloadConfig, load_config
 from shipyard.errors import ConfigError
 from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
+from shipyard.run.checkpoint import Checkpointer, checkpoint_dir, restore
 from shipyard.train import offload
-from shipyard.train.checkpoint import Checkpointer, checkpoint_dir, restore
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state
 

@@ -13,7 +13,7 @@ from data_fixtures import pipeline_docs
 
 from shipyard.cli.main import main
 from shipyard.errors import ConfigError
-from shipyard.pipeline.executor import load_pipeline, plan_pipeline, run_pipeline
+from shipyard.experiment.executor import load_pipeline, plan_pipeline, run_pipeline
 
 
 def _pipeline(tmp_path, threshold=0.5, extra=()):
@@ -225,7 +225,7 @@ def test_reproduce_reports_the_step_that_differs_and_exits_7(tmp_path, monkeypat
     """A tokenizer step that writes a random file (non-deterministic by construction): reproducing the
     chain reports it DIFFERENT, the steps before it and the tokenize step after it (which reads only
     tokenizer.json) identical, and exits 7. The same chain with the real step reproduces: exit 0."""
-    from shipyard.pipeline import steps
+    from shipyard.experiment import steps
 
     real = steps.STEPS["tokenizer-train"]
 

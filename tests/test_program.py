@@ -98,3 +98,28 @@ def test_plan_compiles_the_step_train_runs_with_the_same_input_shardings(
     rules_table = param_shardings(planned.specs, planned.mesh, planned.rules)
     assert _specs(jax.tree.map(lambda x: x.sharding, params), params) == _specs(rules_table, params)
     assert any(sh.spec != PartitionSpec() for sh in jax.tree.leaves(program.shardings))
+
+
+def test_the_layout_is_derived_once():
+    """The pipeline schedule and the context order come from (config, mesh) in one place,
+    `parallel/layout.py: layout_for`; the program, its steps, the banner and the planner take the
+    Layout it builds (a second derivation, say a `schedule_for` call in the train step, is what the
+    renovation removed: the step and the banner could disagree with the program)."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "shipyard"
+    derivations = {"schedule_for(", "zigzag_order("}
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if any(d in code for d in derivations) and not re.match(r"\s*def ", code):
+                found.append((str(path.relative_to(src)), code.strip()))
+    # layout.py derives both; context.py's check_config only validates the seq_len split.
+    assert sorted({f for f, _ in found}) == ["parallel/context.py", "parallel/layout.py"], found
+    assert len(found) == 3, found
+    cfg = load_config("tiny", ["mesh.pipeline=2", "mesh.data=4", "train.pipeline={microbatches: 2}"])
+    program = build_program(cfg, None)
+    assert program.layout.schedule.stages == 2 and program.layout.schedule.microbatches == 2
+    assert program.mesh is program.layout.mesh and program.rules is program.layout.rules

@@ -24,7 +24,7 @@ from model_fixtures import noisy_params
 from shipyard.config import load_config
 from shipyard.inference import cpu_decode
 from shipyard.inference.generate import Generator, decode_compiler_options
-from shipyard.model import attention, layers, quant
+from shipyard.model import attention, layers, quant, quantize
 from shipyard.model.transformer import logits, output_weights
 
 VOCAB, STEPS, BATCH, SEQ = 512, 150, 16, 64
@@ -106,7 +106,9 @@ def test_quantized_weights_take_the_models_layouts_exactly():
     """Fusing q|k|v and gate|up, regrouping heads, the out projection, a tied head: done on the int8
     values and the scales alike, the result dequantizes to the same layout of the dequantized weights."""
     cfg = load_config("tiny", ["model.tie_embeddings=true"]).model
-    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 1, 1, 0.1)), cfg, embed=True)
+    params = quantize.quantize_params(
+        jax.tree.map(jnp.asarray, noisy_params(cfg, 1, 1, 0.1)), cfg, embed=True
+    )
     deq = jax.tree.map(
         lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params, is_leaf=quant.is_quantized
     )
@@ -137,7 +139,7 @@ def test_quantized_weights_take_the_models_layouts_exactly():
 
 def test_int8_logits_and_greedy_continuations_on_a_trained_model(trained):
     cfg, params = trained
-    qparams = quant.quantize_params(params, cfg.model)
+    qparams = quantize.quantize_params(params, cfg.model)
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(0, VOCAB, (8, 48)))
     ref, got = np.asarray(logits(params, tokens, cfg.model)), np.asarray(logits(qparams, tokens, cfg.model))
@@ -172,7 +174,7 @@ def test_quantized_generator_on_both_decode_paths(config):
     """Dense models decode with cpu_decode (int8 gate|up, q|k|v and head), MoE models with
     forward_cached: both give the full forward's greedy tokens on the same int8 weights."""
     cfg = load_config(config).model
-    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2)), cfg)
+    params = quantize.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2)), cfg)
     gen = Generator(params, cfg)
     if config == "tiny":
         assert cpu_decode.supported(params, cfg)
@@ -192,7 +194,7 @@ def test_cpu_decode_step_on_int8_weights_equals_forward_cached():
     from shipyard.inference.decode import forward_cached, init_cache
 
     cfg = load_config("tiny").model
-    params = quant.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 3, 2, 0.2)), cfg)
+    params = quantize.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 3, 2, 0.2)), cfg)
     tokens = jnp.asarray([[5, 17, 99], [0, 42, 8]])
     start = jnp.asarray([0, 1], jnp.int32)
     _, cache = forward_cached(params, tokens, init_cache(cfg, 2, 8), 0, start, cfg)
@@ -209,7 +211,7 @@ def test_cpu_decode_step_on_int8_weights_equals_forward_cached():
 def test_bfloat16_kv_cache_keeps_greedy_output(trained, quantized):
     cfg, params = trained
     if quantized:
-        params = quant.quantize_params(params, cfg.model)
+        params = quantize.quantize_params(params, cfg.model)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist() for _ in range(16)]
     gen = Generator(params, cfg.model, kv_dtype="bfloat16")
@@ -248,7 +250,7 @@ def run_dir(trained, tmp_path_factory):
     from shipyard.data.tokenize import run_tokenize
     from shipyard.data.tokenizer import run_tokenizer_train
     from shipyard.model.transformer import param_specs
-    from shipyard.train.checkpoint import Checkpointer
+    from shipyard.run.checkpoint import Checkpointer
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state
 
@@ -291,7 +293,7 @@ def test_generate_cli_with_int8_weights_and_a_bfloat16_cache(trained, run_dir, c
     tok = load_tokenizer(run / "tokenizer")
     prompts = ["Kabel lodor", "Mi"]
     ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    gen = Generator(quant.quantize_params(params, cfg.model), cfg.model, kv_dtype="bfloat16")
+    gen = Generator(quantize.quantize_params(params, cfg.model), cfg.model, kv_dtype="bfloat16")
     want = [tok.decode(t, skip_special_tokens=False) for t in gen(ids, 6)]
     args = ["generate", str(run), "--max-new-tokens", "6", "--quantize", "int8", "--kv-dtype", "bfloat16"]
     capsys.readouterr()
@@ -365,16 +367,16 @@ def test_eval_cli_with_int8_weights(run_dir, tmp_path, capsys):
 def test_quantize_params_keeps_what_it_should_and_refuses_unknown_modes():
     cfg = load_config("tiny", ["model.qkv_bias=true", "model.qk_norm=true"]).model
     params = jax.tree.map(jnp.asarray, noisy_params(cfg, 1, 1, 0.1))
-    q = quant.quantize_params(params, cfg, head=False)
+    q = quantize.quantize_params(params, cfg, head=False)
     for name in quant.BLOCK_WEIGHTS:
         assert quant.is_quantized(getattr(q.blocks, name))
     for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "bq", "bk", "bv"):
         assert getattr(q.blocks, name) is getattr(params.blocks, name)
     assert q.lm_head is params.lm_head and q.embed is params.embed and q.final_norm is params.final_norm
-    again = quant.quantize_params(q, cfg)  # already-quantized weights are left as they are
+    again = quantize.quantize_params(q, cfg)  # already-quantized weights are left as they are
     assert again.blocks.wq is q.blocks.wq and quant.is_quantized(again.lm_head)
-    assert dataclasses.replace(quant.maybe_quantize(params, cfg, None)) == params
+    assert dataclasses.replace(quantize.maybe_quantize(params, cfg, None)) == params
     with pytest.raises(ValueError, match="int8"):
-        quant.maybe_quantize(params, cfg, "int4")
+        quantize.maybe_quantize(params, cfg, "int4")
     with pytest.raises(ValueError, match="embedding"):  # the decode steps' lookups take arrays only
-        Generator(quant.quantize_params(params, cfg, embed=True), cfg)
+        Generator(quantize.quantize_params(params, cfg, embed=True), cfg)

@@ -22,7 +22,7 @@ from hf_fixtures import corpus
 
 from shipyard.cli.main import main
 from shipyard.config import load_config
-from shipyard.runs import load_model
+from shipyard.run.model_dir import load_model
 
 QUIET = ["train.logging.progress=false", "train.logging.tensorboard=false", "train.logging.log_every=1"]
 PADDING = 4  # the resized model's vocabulary is B's size plus this many padding rows
@@ -217,8 +217,8 @@ def test_on_a_tensor_mesh_the_resize_is_the_one_device_one(swap):
     (the partitioned mean may add in another order)."""
     from shipyard.model.params import param_shardings
     from shipyard.model.transformer import param_specs
-    from shipyard.runs import base_params
     from shipyard.train.program import build_program
+    from shipyard.train.startup import base_params
 
     cfg = load_config(str(swap["run"] / "config.yaml"), ["mesh.data=1", "mesh.tensor=8"])
     program = build_program(cfg)

@@ -18,7 +18,7 @@ from shipyard.config import CheckpointConfig, load_config
 from shipyard.model.params import param_shardings
 from shipyard.model.transformer import param_specs
 from shipyard.parallel.mesh import DEFAULT_RULES, make_mesh
-from shipyard.train.checkpoint import Checkpointer, restore, restore_latest
+from shipyard.run.checkpoint import Checkpointer, restore, restore_latest
 from shipyard.train.optim import build_optimizer
 from shipyard.train.program import abstract_state
 

@@ -15,8 +15,8 @@ import pytest
 from shipyard.config import load_config, to_yaml
 from shipyard.errors import RunDirError
 from shipyard.output import write_atomic
+from shipyard.run.rundir import check_resumable
 from shipyard.train.program import build_program
-from shipyard.train.rundir import check_resumable
 from shipyard.train.trainer import initial_state, load_data
 
 STEPS = 3

@@ -242,7 +242,7 @@ def test_echo_logprobs_score_the_prompt_like_the_model(server, run_dir):
     import numpy as np
 
     from shipyard.inference.engine import prompt_logprobs
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     tokens = [5, 17, 99, 3, 8, 2, 77]
     r = _post(

@@ -22,7 +22,7 @@ from shipyard.inference.artifact import Artifact, is_artifact
 from shipyard.inference.export import portable_config
 from shipyard.inference.generate import Generator
 from shipyard.interop.hf import write_hf_dir
-from shipyard.runs import open_model_dir
+from shipyard.run.model_dir import open_model_dir
 
 BATCH = 2
 # token ids of different lengths, more prompts than the artifact's batch (three calls, the last one short)
@@ -91,7 +91,7 @@ from shipyard.cli.main import main
 tokens = Artifact({str(model["art"])!r}).generate({PROMPTS!r}, 12)
 assert main(["generate", {str(model["art"])!r}, "--prompt", "the model", "--max-new-tokens", "4"]) == 0
 loaded = [m for m in ("shipyard.model", "shipyard.inference.decode", "shipyard.inference.generate",
-                      "shipyard.train", "shipyard.runs", "shipyard.interop") if m in sys.modules]
+                      "shipyard.train", "shipyard.run.model_dir", "shipyard.interop") if m in sys.modules]
 print(json.dumps({{"tokens": tokens, "loaded": loaded}}))
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -104,7 +104,7 @@ def test_checkpoints_hold_the_train_state(tmp_path, byte_tokens):
     from shipyard.config import load_config
     from shipyard.model.params import abstract_params
     from shipyard.model.transformer import param_specs
-    from shipyard.train.checkpoint import restore
+    from shipyard.run.checkpoint import restore
 
     extra = [
         "train.steps=12",

@@ -99,7 +99,7 @@ def test_the_fixture_run_has_verified_checkpoints_and_says_so(world):
 
 
 def test_a_flipped_byte_in_the_newest_checkpoint_is_refused_by_every_reader(world, tmp_path, capsys):
-    from shipyard.pipeline.steps import digest
+    from shipyard.experiment.steps import digest
 
     run = _run_copy(world, tmp_path)
     victim = _biggest_file(run / "checkpoints" / "6")
@@ -182,7 +182,7 @@ def test_a_checkpoint_without_a_sidecar_yet_is_read_as_resume_reads_it(world, tm
 
 
 def test_checkpoint_hashes_are_cached_but_a_rewritten_file_is_rehashed(world, tmp_path, monkeypatch):
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     monkeypatch.setattr(hashcache, "RACY_NS", SETTLE_NS)
     run = _run_copy(world, tmp_path)

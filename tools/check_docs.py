@@ -3,7 +3,8 @@
     .venv/bin/python tools/check_docs.py [--repo ROOT] [FILES...]
 
 Without FILES it checks README.md and docs/*.md of the repository (ROOT, default: the one this file
-is in). Prints one line per problem, `file:line: what is named: why it is wrong`, and exits 1 if there
+is in), and the docstrings of every module under src/shipyard (read as markdown, same checks; a bare
+`--flag` in a docstring must be a flag of some shipyard command). Prints one line per problem, `file:line: what is named: why it is wrong`, and exits 1 if there
 is any, 0 when clean. `make lint` runs it.
 
 What is looked at: inline code spans (`...`, also across a line break) and the lines of fenced code
@@ -84,7 +85,7 @@ DEFAULT_ROOT = Path(__file__).resolve().parents[1]
 
 FILE_EXTS = {
     "py", "yaml", "yml", "json", "jsonl", "md", "toml", "txt", "npy", "png", "zst", "gz", "safetensors",
-    "html", "parquet", "bin", "lock", "so", "csv", "sh", "cfg", "ini", "tmp", "log", "pt", "msgpack",
+    "html", "parquet", "bin", "lock", "so", "csv", "sh", "cfg", "ini", "tmp", "log", "pt", "msgpack", "stablehlo",
 }  # fmt: skip
 CHECKED_PATH_EXTS = {"py", "yaml", "yml", "json", "jsonl", "md", "toml", "txt", "sh"}
 SEPARATORS = {"&&", ";", "||", "$"}
@@ -719,8 +720,32 @@ class Checker:
         return "no such file (looked in the repository root, src/shipyard/, src/ and next to the doc)"
 
     def check_file(self, path: Path, display: str) -> list[Problem]:
+        return self.check_text(path.read_text(), path, display)
+
+    def check_docstrings(self, path: Path, display: str) -> list[Problem]:
+        """The docstrings of one source file (module, classes, functions), read as markdown: the same
+        checks as a doc page, with line numbers in the source file. A bare `--flag` there must be a
+        flag of some shipyard command (a docstring rarely names the command in a span of its own)."""
         probs: list[Problem] = []
-        cs = chunks(path.read_text())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body
+            if not (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+                continue
+            if not isinstance(body[0].value.value, str):
+                continue
+            text = body[0].value.value
+            for prob in self.check_text(text, path, display, any_command_flags=True):
+                prob.line += body[0].lineno - 1
+                probs.append(prob)
+        return sorted(probs, key=lambda p: p.line)
+
+    def check_text(
+        self, text: str, path: Path, display: str, any_command_flags: bool = False
+    ) -> list[Problem]:
+        probs: list[Problem] = []
+        cs = chunks(text)
         mentioned: set[tuple[str, ...]] = set()
         segs = [(c, s) for c in cs for s in command_segments(c, "shipyard") if s]
         # fetch the help of every command path named, a level at a time, in parallel
@@ -756,10 +781,13 @@ class Checker:
             if c.code or id(c) in command_chunks or re.match(r"^(\S*/)?(python|make)\b", c.text):
                 continue
             probs.extend(self.span_problems(c, display, mentioned))
-        # bare flags, against the commands this file names
+        # bare flags, against the commands this file names (a docstring: any shipyard command)
         flag_paths = {()}
         for p in mentioned:
             flag_paths.update(self.cli.tree(p))
+        if any_command_flags and any(c.text.startswith("--") and not c.code for c in cs):
+            flag_paths.update(self.cli.tree(()))
+            mentioned = {*mentioned, ()}
         known_flags = set().union(*[(self.cli.help(p) or Help([], set(), False)).flags for p in flag_paths])
         for c in cs:
             if c.code or not c.text.startswith("--"):
@@ -881,8 +909,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = args.repo.resolve()
     files = args.files or [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    sources = [] if args.files else sorted((root / "src" / "shipyard").rglob("*.py"))
     checker = Checker(root)
     problems: list[Problem] = []
+    for f in sources:
+        problems.extend(checker.check_docstrings(f, str(f.relative_to(root))))
     for f in files:
         f = f if f.is_absolute() else (Path.cwd() / f)
         try:

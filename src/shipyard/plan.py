@@ -11,7 +11,7 @@ Compiled: the real train step lowered with abstract inputs
 (`jax.ShapeDtypeStruct`s carrying the mesh's shardings; nothing allocated) on
 fake CPU devices of the same count, in a child process (the device count is
 fixed when JAX starts), and XLA's memory analysis (arguments, temporaries,
-outputs) and cost analysis. `--compiled-layers N` compiles N layers (plus the
+outputs) and cost analysis. `--compile-layers N` compiles N layers (plus the
 leading dense ones) and extrapolates per-layer costs linearly, saying so.
 
 Byte accounting of shipyard's precision policy, per parameter: fp32 master
@@ -29,9 +29,13 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from shipyard.config import Config, MeshConfig
 from shipyard.errors import ConfigError
+
+if TYPE_CHECKING:  # jax is imported only where a plan needs it
+    from shipyard.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -135,16 +139,16 @@ def _fmt(n: float) -> str:
 # ----------------------------------------------------------------------------- analytic
 
 
-def _state_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
-    """Per-device bytes of params, gradients and optimizer state under the sharding rules."""
+def _state_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
+    """Per-device bytes of params, gradients and optimizer state under the layout's sharding rules."""
     import jax
     import numpy as np
 
     from shipyard.model.params import is_spec
-    from shipyard.parallel.mesh import logical_to_pspec, rules_for
-    from shipyard.train.finetune import Partition
+    from shipyard.model.partition import Partition
+    from shipyard.parallel.mesh import logical_to_pspec
 
-    mesh, rules = _MeshShape(sizes), rules_for(cfg.mesh)
+    mesh, rules, sizes = layout.mesh, layout.rules, layout.mesh.shape
     partition = Partition(cfg.model, cfg.train.finetune)
 
     def local(spec) -> float:
@@ -234,7 +238,7 @@ def _loss_tokens(cfg: Config, tokens: float) -> float:
     return tokens if chunk is None else min(tokens, chunk)
 
 
-def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dict[str, float]:
+def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, float]:
     """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md).
 
     Context parallelism splits each sequence's tokens over `context`; a pipeline stage holds
@@ -243,7 +247,7 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
     """
     from shipyard.train import chunked_loss
 
-    m = cfg.model
+    m, sizes, schedule = cfg.model, layout.mesh.shape, layout.schedule
     c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
     batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     b = cfg.train.global_batch_size / cfg.train.microbatches / batch_split
@@ -272,14 +276,14 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
         # Expert parallelism all-gathers the group's tokens (ep x E) before sorting k copies of them.
         dispatch = c * E * (sizes["expert"] + 2 * e.experts_per_token)
         layers += [(full + dispatch, dots + c * e.experts_per_token * E)] * m.num_moe_layers
-    tokens = b * S / sizes.get("context", 1)
-    stages = sizes.get("pipeline", 1)
+    tokens = b * S / layout.context
+    stages = 1 if schedule is None else schedule.stages
     if stages > 1:
         # The pipeline cuts the last stack (the MoE layers of a MoE model) into equal parts; stage 0
         # also runs a MoE model's leading dense layers, so it holds the most.
         last = m.num_moe_layers if m.moe is not None else m.num_layers
         layers = layers[: len(layers) - last] + layers[len(layers) - last :][: last // stages]
-    in_flight = 1 / _pipeline_microbatches(cfg) if stages > 1 else 1.0  # one pipeline microbatch at a time
+    in_flight = 1 / schedule.microbatches if stages > 1 else 1.0  # one pipeline microbatch at a time
     peak_layer = max(full for full, _ in layers) * in_flight
     if m.remat == "full":
         saved = len(layers) * c * E + peak_layer
@@ -303,25 +307,18 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], device: Device) -> dic
     }
 
 
-def _pipeline_microbatches(cfg: Config) -> int:
-    pipe = cfg.train.pipeline
-    return 1 if pipe is None else pipe.microbatches
-
-
-def _pipeline(cfg: Config, sizes: dict[str, int]) -> dict | None:
-    """The pipeline schedule's shape and bubble (None without a pipeline axis)."""
-    stages = sizes.get("pipeline", 1)
-    if stages == 1:
+def _pipeline(layout: Layout) -> dict | None:
+    """The layout's pipeline schedule: its shape and bubble (None without a pipeline axis)."""
+    schedule = layout.schedule
+    if schedule is None or schedule.stages == 1:
         return None
     from shipyard.parallel.pipeline import bubble_fraction
 
-    pipe = cfg.train.pipeline
-    micro, repeats = (1, 1) if pipe is None else (pipe.microbatches, pipe.repeats)
     return {
-        "stages": stages,
-        "microbatches": micro,
-        "repeats": repeats,
-        "bubble": bubble_fraction(stages, micro, repeats),
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "repeats": schedule.repeats,
+        "bubble": bubble_fraction(schedule.stages, schedule.microbatches, schedule.repeats),
     }
 
 
@@ -342,12 +339,16 @@ def _host_bytes(cfg: Config, state: dict) -> dict[str, float]:
 def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None, mfu: float) -> dict:
     """The analytic plan as a dict (all byte figures per device)."""
     from shipyard.model.transformer import num_active_params, num_params
+    from shipyard.parallel.layout import layout_for
     from shipyard.train.metrics import flops_per_token
 
     sizes = _all_axes(sizes)
     n_dev = math.prod(sizes.values())
-    state = _state_bytes(cfg, sizes)
-    act = _activation_bytes(cfg, sizes, device)
+    # One layout for every term below (rules, pipeline schedule, context split), as the train
+    # program builds it; the planner's mesh is only the axis sizes.
+    layout = layout_for(cfg, _MeshShape(sizes))
+    state = _state_bytes(cfg, layout)
+    act = _activation_bytes(cfg, layout, device)
     # A compute-dtype copy of the (sharded) params exists during the step for bf16/fp16.
     # A QLoRA base is not copied: each matmul dequantizes its weight to the compute dtype.
     castable = state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0)
@@ -366,7 +367,7 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
     )
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    pipeline = _pipeline(cfg, sizes)
+    pipeline = _pipeline(layout)
     # Pipeline stages idle for the bubble's share of the schedule.
     busy = 1.0 - (pipeline["bubble"] if pipeline else 0.0)
     step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu * busy)
@@ -397,7 +398,7 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
             "total": total,
         },
         "pipeline": pipeline,
-        "context": sizes.get("context", 1),
+        "context": layout.context,
         "attention_impl": act["attention_impl"],
         "attention_keys": act["attention_keys"],
         "stage_layers": act["stage_layers"],

@@ -17,7 +17,7 @@ class Parser(argparse.ArgumentParser):
 
 def command_group(sub, name: str, help: str):
     """`shipyard NAME ...`: a command with subcommands of its own (config, data, export, import);
-    returns the subparsers to add them to (`args.NAME_command` names the one given)."""
+    returns the subparsers to add them to (the parsed `args.<name>_command` names the one given)."""
     group = sub.add_parser(name, help=help)
     return group.add_subparsers(dest=f"{name}_command", required=True, parser_class=Parser)
 
@@ -51,7 +51,7 @@ def load_config_arg(source: str, overrides, what: str):
     path = Path(source)
     if not path.is_dir():
         return load_config(source, list(overrides))
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(path, what)
     base = model_dir.config.model_dump(mode="json")

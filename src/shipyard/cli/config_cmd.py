@@ -26,7 +26,7 @@ def _cmd_config_show(args) -> int:
     sys.stdout.write(f"# active parameters per token: {active} ({_human(active)})\n")
     if cfg.train.finetune is not None:
         from shipyard.model.params import count_params
-        from shipyard.train.finetune import Partition
+        from shipyard.model.partition import Partition
 
         trained = count_params(Partition(cfg.model, cfg.train.finetune).trainable_specs())
         sys.stdout.write(

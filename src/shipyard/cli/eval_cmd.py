@@ -32,7 +32,7 @@ def _cmd_eval(args) -> int:
     )
     from shipyard import storage
     from shipyard.output import write_atomic
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     out = args.out
     if out is None and open_model_dir(args.run_dir, "eval").kind == "run":

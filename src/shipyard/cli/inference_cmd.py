@@ -35,8 +35,8 @@ def _cmd_generate(args) -> int:
         return _generate_from_artifact(args)
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.inference.generate import Generator
-    from shipyard.model.quant import maybe_quantize
-    from shipyard.runs import open_model_dir
+    from shipyard.model.quantize import maybe_quantize
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "generate", args.tokenizer)
     tok_dir = model_dir.require_tokenizer("generate")  # before the params are read
@@ -114,7 +114,7 @@ def _generate_from_artifact(args) -> int:
 
 def _cmd_chat(args) -> int:
     from shipyard.inference.chat import load_chat_model, run_chat
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "chat", args.tokenizer)
     gen = model_dir.generation("chat")

@@ -10,7 +10,7 @@ from shipyard.output import refuse_existing
 
 def _cmd_export_hf(args) -> int:
     from shipyard.interop.hf import write_hf_dir
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "export hf", args.tokenizer)
     refuse_existing(args.out, "export hf")  # before the params are read: refusing should be instant
@@ -29,7 +29,7 @@ def _cmd_export_hf(args) -> int:
 def _cmd_export_peft(args) -> int:
     from shipyard.errors import ConfigError
     from shipyard.interop.peft import write_peft_dir
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     if args.base is not None and args.write_base is not None:
         raise ConfigError("export peft: give --base (a base exported before) or --write-base, not both")
@@ -62,20 +62,20 @@ def _write_frozen_base(model_dir, out: Path) -> None:
     import jax
 
     from shipyard.interop.hf import write_hf_dir
+    from shipyard.model.partition import Partition
     from shipyard.model.transformer import param_specs
-    from shipyard.runs import base_params
-    from shipyard.train.finetune import Partition
+    from shipyard.run.model_dir import base_weights
 
     cfg = model_dir.config
     partition = Partition(cfg.model, cfg.train.finetune)
-    base = base_params(cfg, param_specs(cfg.model), None)
+    base = base_weights(cfg, param_specs(cfg.model), None)
     params = jax.jit(partition.base_for_export)(partition.frozen(base))
     write_hf_dir(params, cfg.model, out, model_dir.tokenizer())
 
 
 def _cmd_export_stablehlo(args) -> int:
     from shipyard.inference.export import export_stablehlo
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "export stablehlo", args.tokenizer)
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())

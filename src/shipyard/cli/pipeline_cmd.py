@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def _cmd_run(args) -> int:
-    from shipyard.pipeline.executor import run_pipeline
+    from shipyard.experiment.executor import run_pipeline
 
     run_pipeline(args.pipeline, tuple(args.force), args.dry_run, args.root, ray_address=args.ray)
     return 0
@@ -16,7 +16,7 @@ def _cmd_quickstart(args) -> int:
     import json
     from importlib import resources
 
-    from shipyard.pipeline.executor import fetch_output, run_pipeline
+    from shipyard.experiment.executor import fetch_output, run_pipeline
     from shipyard.storage import redact
 
     pipeline = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml")
@@ -40,7 +40,7 @@ def _cmd_quickstart(args) -> int:
 
 
 def _cmd_reproduce(args) -> int:
-    from shipyard.pipeline.executor import reproduce
+    from shipyard.experiment.executor import reproduce
 
     results = reproduce(args.output_dir, args.root)
     same = sum(r["identical"] for r in results)
@@ -49,7 +49,7 @@ def _cmd_reproduce(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from shipyard.report import write_report
+    from shipyard.run.report import write_report
 
     out = write_report(args.run_dir)
     print(f"wrote {out}")

@@ -8,7 +8,7 @@ from shipyard.cli.args import CONFIG_HELP, load_config_arg, whole_number
 from shipyard.errors import ConfigError
 from shipyard.storage import is_url
 
-CACHE_ENV = "SHIPYARD_RUN_CACHE"  # train/remote_run.py's (not imported here: the CLI starts fast)
+CACHE_ENV = "SHIPYARD_RUN_CACHE"  # run/remote.py's (not imported here: the CLI starts fast)
 
 
 def path_or_url(value: str) -> Path | str:

@@ -184,7 +184,7 @@ def check_messages(messages, where: str) -> list[dict]:
 
 
 def read_jsonl_records(path: str | Path, section: str, expected: str, check, nothing: str) -> list:
-    """`check(record, where)` of every line of a JSONL file (blank lines skipped), `where` naming the
+    """The callable `check` applied as check(record, where) to every line of a JSONL file (blank lines skipped), `where` naming the
     config section, file and line for its one-line errors; a missing file, a line that is not JSON
     or a file with no records is a DataError (`expected` describes a line, `nothing` the records)."""
     path = Path(path)

@@ -17,7 +17,7 @@ from shipyard.errors import DataError
 from shipyard.eval.chat_match import exact_match
 from shipyard.eval.heldout import DomainMetrics, domain_metrics
 from shipyard.eval.tasks import cloze, multiple_choice
-from shipyard.model.quant import maybe_quantize
+from shipyard.model.quantize import maybe_quantize
 
 
 @dataclass
@@ -49,7 +49,7 @@ def run_eval(
 ) -> EvalReport:
     """Held-out metrics and tasks for a model directory; `quantize` ("int8") scores its int8 weights."""
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(run_dir, "eval", tokenizer)
     cfg, step, params = model_dir.load(step, what="eval")

@@ -91,7 +91,7 @@ class ShipyardLM(TemplateLM):
         **ignored,
     ):
         super().__init__()
-        from shipyard.runs import open_model_dir
+        from shipyard.run.model_dir import open_model_dir
 
         if checkpoint is None:
             raise ConfigError("lm-eval --model shipyard: give --model_args checkpoint=RUN_DIR")

@@ -77,26 +77,21 @@ class ChatModel:
         return self.fmt.tok.decode(ids, skip_special_tokens=False)
 
 
-def run_template(cfg) -> str:
-    """The chat template a run trained with (`data.chat.template`), else "auto" (the model's own)."""
-    return cfg.data.chat.template if cfg.data.chat is not None else "auto"
-
-
 def chat_model(
     cfg, params, tok_dir: Path, template: str | None = None, *, quantize: str | None = None, kv_dtype=None
 ) -> ChatModel:
     """A ChatModel over plain params; the template defaults to the one the run trained with.
 
-    `quantize` ("int8": `model.quant.quantize_params`) and `kv_dtype` (the KV cache's) as `Generator`.
+    `quantize` ("int8": `model.quantize.quantize_params`) and `kv_dtype` (the KV cache's) as `Generator`.
     """
     import jax
     import jax.numpy as jnp
 
     from shipyard.inference.generate import Generator
-    from shipyard.model.quant import maybe_quantize
-    from shipyard.train.sft_data import chat_format_for
+    from shipyard.model.quantize import maybe_quantize
+    from shipyard.run.model_dir import chat_format_of, run_template
 
-    fmt = chat_format_for(tok_dir, template or run_template(cfg))
+    fmt = chat_format_of(tok_dir, template or run_template(cfg))
     params = maybe_quantize(jax.tree.map(jnp.asarray, params), cfg.model, quantize)
     return ChatModel(cfg, Generator(params, cfg.model, kv_dtype=kv_dtype), fmt)
 
@@ -105,7 +100,7 @@ def load_chat_model(
     model, step: int | None = None, template: str | None = None, *, quantize: str | None = None, kv_dtype=None
 ) -> ChatModel:
     """The run's newest (or `step`) checkpoint as a ChatModel (fine-tuning runs merged with their base)."""
-    from shipyard.runs import ModelDir, open_model_dir
+    from shipyard.run.model_dir import ModelDir, open_model_dir
 
     model_dir = model if isinstance(model, ModelDir) else open_model_dir(model, "chat")
     cfg, _, params = model_dir.load(step, what="chat")

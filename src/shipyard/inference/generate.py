@@ -152,7 +152,7 @@ class Generator:
     """
 
     def __init__(self, params, cfg: ModelConfig, *, tokens_per_call: int = 8, kv_dtype=None):
-        """`params` plain or from `model.quant.quantize_params` (int8 weights); `kv_dtype` the KV
+        """`params` plain or from `model.quantize.quantize_params` (int8 weights); `kv_dtype` the KV
         cache's dtype (default: the embedding's, fp32 for a quantized embedding)."""
         if tokens_per_call < 1:
             raise ValueError(f"tokens_per_call must be at least 1, got {tokens_per_call}")

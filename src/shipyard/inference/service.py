@@ -39,10 +39,8 @@ def load_service(
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
-    from shipyard.inference.chat import run_template
-    from shipyard.model.quant import maybe_quantize
-    from shipyard.runs import open_model_dir
-    from shipyard.train.sft_data import chat_format_for
+    from shipyard.model.quantize import maybe_quantize
+    from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
 
     model_dir = open_model_dir(model, "serve", tokenizer)
     tok_dir = model_dir.require_tokenizer("serve")
@@ -58,7 +56,7 @@ def load_service(
     ids = special_token_ids(tok_dir, tok)
     chat, missing = None, ""
     try:
-        chat = chat_format_for(tok_dir, template or run_template(model_dir.config))
+        chat = chat_format_of(tok_dir, template or run_template(model_dir.config))
     except DataError as e:
         missing = str(e)
     cfg, _, params = model_dir.load(step, what="serve")

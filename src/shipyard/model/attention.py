@@ -1,6 +1,6 @@
 """Attention, written once: q/k/v projection, RoPE, masks, the score/softmax/value core, the KV-cache update.
 
-The training forward (`transformer.attention_block`, through `causal_self_attention`, whose core
+The training forward (`transformer.attention_sublayer`, through `causal_self_attention`, whose core
 `causal_attention` picks per `model.attention_impl`: this module's reference `attend`, the blocked
 flash-style `model.blocked_attention`, or a vendor kernel of `model.attention_kernels`), the KV-cache forward
 (`inference.decode.forward_cached`) and the CPU decode step

@@ -7,7 +7,7 @@ fusing q|k|v or gate|up, transposing a tied embedding) apply to the int8
 values and to the scales alike (`apply`), and the dequantized weight is
 always `q * scale`. `layers.dense` multiplies by it (`matmul`), and so does
 `x @ w` (`__rmatmul__`), so every matmul site of the forward passes and the
-decode steps accepts it. `quantize_params` converts a model's params.
+decode steps accepts it. `model.quantize.quantize_params` converts a model's params.
 
 How the product runs depends on the backend. GPU/TPU: `dequantized_dot`,
 the int8 -> float convert inside the dot, which those compilers fuse into
@@ -180,62 +180,6 @@ def embed_lookup(table, ids: jax.Array) -> jax.Array:
 
 # The block weights quantize_params converts: the attention and dense-MLP matrices.
 BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def quantize_params(params, cfg, *, head: bool = True, embed: bool = False):
-    """The params of model `cfg` (a ModelConfig) with int8 weights (`QuantizedMatrix`): attention and
-    dense-MLP matrices, the output head (`head`), the token embedding (`embed`, one scale per row).
-
-    Norms, biases, LoRA adapters and MoE layers (router and experts) stay as
-    they are. A tied model quantized with `head` and not `embed` gets a
-    quantized copy of the embedding as its head (`lm_head`), so the lookup
-    stays exact while the largest matrix of a small model still shrinks 4x.
-    Each weight's contracted axes are its spec's `fan_in_axes`.
-    """
-    # transformer imports layers, which imports this module: import it here, not at the top.
-    from shipyard.model.transformer import param_specs
-
-    specs = param_specs(cfg)
-
-    def stack(blocks, block_specs):
-        if blocks is None:
-            return None
-        new = {}
-        for name in BLOCK_WEIGHTS:
-            w, spec = getattr(blocks, name), getattr(block_specs, name)
-            if w is not None and not is_quantized(w):
-                new[name] = _quantize_jit(w, spec.fan_in_axes)
-        return dataclasses.replace(blocks, **new)
-
-    out = dataclasses.replace(
-        params,
-        blocks=stack(params.blocks, specs.blocks),
-        moe_blocks=stack(params.moe_blocks, specs.moe_blocks),
-    )
-    table = out.embed
-    if embed and not is_quantized(table):
-        out = dataclasses.replace(out, embed=_quantize_jit(table, (1,)))
-    if head and out.lm_head is None and not embed:
-        out = dataclasses.replace(out, lm_head=_quantize_jit(jnp.asarray(table).T, (0,)))
-    elif head and out.lm_head is not None and not is_quantized(out.lm_head):
-        out = dataclasses.replace(out, lm_head=_quantize_jit(out.lm_head, specs.lm_head.fan_in_axes))
-    return out
-
-
-_quantize_jit = jax.jit(quantize, static_argnums=1)
-
-
-QUANTIZE_MODES = ("int8",)
-"""What `--quantize` accepts (`maybe_quantize`)."""
-
-
-def maybe_quantize(params, cfg, quantize: str | None):
-    """`params` as the inference commands' `--quantize` asks: unchanged for None, `quantize_params` for int8."""
-    if quantize is None:
-        return params
-    if quantize != "int8":
-        raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {quantize!r}")
-    return quantize_params(params, cfg)
 
 
 # ----------------------------------------------------------------------------- QLoRA's frozen base

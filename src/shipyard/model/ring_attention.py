@@ -36,6 +36,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shipyard.model import attention, layers
 from shipyard.parallel.context import AXIS
+from shipyard.parallel.layout import Layout
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -277,14 +278,16 @@ def _ring_backward(q, k, v, slots, seg, window, out, lse, do, *, n: int, tiles: 
 _ring_attend.defvjp(_ring_fwd, _ring_bwd)
 
 
-def self_attention(cfg, h, w, cos, sin, slots, segment_ids, window, mesh: Mesh, key=None) -> jax.Array:
+def self_attention(
+    cfg, h, w, cos, sin, segment_ids=None, window=None, key=None, layout: Layout = None
+) -> jax.Array:
     """The attention branch of one block for normed input h [batch, L, embed] with L split over the
-    context axis: q/k/v projection and RoPE as `attention.self_attention`, the ring as the core.
-    `slots` [L] are the positions' original slots (None: the row is in its own order)."""
+    layout's context axis: `attention.causal_self_attention` (same arguments, same order) with the
+    ring as the core. The masks follow the positions' original slots, `layout.order` (None: the
+    row is in its own order)."""
     q, k, v = attention.project_qkv(cfg, h, w, key)
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
-    if slots is None:
-        slots = jnp.arange(h.shape[1])
-    out = ring_attention(q, k, v, slots, segment_ids, window, mesh, cfg.attention_block)
+    slots = jnp.arange(h.shape[1]) if layout.order is None else jnp.asarray(layout.order)
+    out = ring_attention(q, k, v, slots, segment_ids, window, layout.mesh, cfg.attention_block)
     return attention.project_out(w, out, key)

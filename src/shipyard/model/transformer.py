@@ -21,8 +21,7 @@ from shipyard.model.lora import LoraParams, delta
 from shipyard.model.moe import MoEParams, MoEStats, expert_params_per_layer, moe_mlp, moe_specs
 from shipyard.model.params import ArraySpec, count_params
 from shipyard.parallel import pipeline
-from shipyard.parallel.context import context_size
-from shipyard.parallel.pipeline import Schedule
+from shipyard.parallel.layout import Layout
 
 
 @jax.tree_util.register_dataclass
@@ -150,7 +149,7 @@ _REMAT_POLICIES = {
 }
 
 
-def attention_block(
+def attention_sublayer(
     cfg: ModelConfig,
     x: jax.Array,
     p: BlockParams,
@@ -159,24 +158,24 @@ def attention_block(
     segment_ids,
     window=None,
     key=None,
-    slots=None,
-    mesh=None,
+    layout: Layout | None = None,
 ) -> jax.Array:
     """x plus the attention branch of one block (`key`: LoRA dropout); see `model.attention`.
 
-    On a mesh with a context axis the sequence is split over it and attention runs as a ring
-    (`model.ring_attention`); `slots` [seq] are then the positions' original slots (the
-    context order), which the causal and window masks follow."""
+    On a layout with a context axis the sequence is split over it and attention runs as a ring
+    (`model.ring_attention`); the causal and window masks follow the positions' original slots
+    (`layout.order`)."""
     h = layers.rms_norm(x, p.attn_norm, cfg.norm_eps)
     # The q|k|v weights are fused here, per layer, so the stored layout and its shardings stay per projection.
     w = attention.attention_weights(p, cfg.num_kv_heads)
-    if context_size(mesh) > 1:
-        return x + ring_attention.self_attention(cfg, h, w, cos, sin, slots, segment_ids, window, mesh, key)
+    if layout is not None and layout.context > 1:
+        return x + ring_attention.self_attention(cfg, h, w, cos, sin, segment_ids, window, key, layout)
     return x + attention.causal_self_attention(cfg, h, w, cos, sin, segment_ids, window, key)
 
 
-def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=None, key=None):
-    """x plus the MLP branch of one block: (x, MoEStats or None)."""
+def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, layout: Layout | None = None, key=None):
+    """x plus the MLP branch of one block: (x, MoEStats or None); MoE experts are parallel over the
+    layout's mesh."""
     h = layers.rms_norm(x, p.mlp_norm, cfg.norm_eps)
     if p.moe is None:
         adapter = None
@@ -186,17 +185,18 @@ def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, mesh=None, rules=N
                 return delta(p.lora, target, inputs, key)
 
         return x + layers.swiglu(h, p.w_gate, p.w_up, p.w_down, adapter), None
+    mesh, rules = (None, None) if layout is None else (layout.mesh, layout.rules)
     y, stats = moe_mlp(h, p.moe, cfg.moe, mesh, rules)
     return x + y, stats
 
 
-def _layer_body(cfg: ModelConfig, cos, sin, segment_ids, *, slots, constrain, mesh, rules):
+def _layer_body(cfg: ModelConfig, cos, sin, segment_ids, *, layout, constrain):
     """The scan body of one block, `(x, (params, window, dropout key)) -> (x, MoEStats | None)`, under the remat policy."""
 
     def body(x, layer):
         p, window, key = layer
-        x = attention_block(cfg, x, p, cos, sin, segment_ids, window, key, slots, mesh)
-        x, stats = mlp_block(cfg, x, p, mesh, rules, key)
+        x = attention_sublayer(cfg, x, p, cos, sin, segment_ids, window, key, layout)
+        x, stats = mlp_block(cfg, x, p, layout, key)
         return constrain(x), stats
 
     if cfg.remat != "none":
@@ -229,10 +229,8 @@ def _scan_stacks(params: TransformerParams, x, cfg: ModelConfig, body, dropout_k
     return x, stats[0] if len(stats) == 1 else jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
-def _pipeline_stacks(
-    params: TransformerParams, x, cfg: ModelConfig, schedule: Schedule, activation_sharding, layer, side
-):
-    """x through the stacks as the pipeline `schedule` (parallel/pipeline.py): (x, mean MoEStats | None).
+def _pipeline_stacks(params: TransformerParams, x, cfg: ModelConfig, layout: Layout, layer, side):
+    """x through the stacks as the layout's pipeline schedule (parallel/pipeline.py): (x, mean MoEStats | None).
 
     `layer(cos, sin, segment_ids)` makes the scan body for one microbatch's side inputs `side`
     (cos, sin, segment_ids): each goes with its microbatch when it is per row, else to every
@@ -243,6 +241,7 @@ def _pipeline_stacks(
     """
     stacks, windows = params.stacks(), attention.layer_windows(cfg)
     main = (stacks[-1][0], windows[len(stacks) - 1])
+    schedule = layout.schedule
     M, rows = schedule.microbatches, x.shape[0]
     side = dict(zip(("cos", "sin", "segment_ids"), side))
     extras = {
@@ -251,7 +250,7 @@ def _pipeline_stacks(
     shared = {**side, "prefix": (stacks[0][0], windows[0]) if len(stacks) == 2 else None}
     shared = {k: v for k, v in shared.items() if k not in extras}
     unroll = layers.layer_unroll(cfg.scan_unroll, jax.tree.leaves(main)[0].shape[0] // schedule.chunks)
-    constrain = pipeline.stage_constraint(activation_sharding)
+    constrain = pipeline.stage_constraint(layout.activations_of(rows))
 
     def stage(chunk, shared, h, mine, index):
         inputs = {**shared, **mine}
@@ -273,7 +272,7 @@ def _pipeline_stacks(
         return jax.lax.scan(body, h, (blocks, chunk_windows, None), unroll=unroll)
 
     micro = pipeline.split_microbatches(x, M)
-    y, stats = pipeline.run(stage, main, shared, micro, extras, activation_sharding.mesh, schedule)
+    y, stats = pipeline.run(stage, main, shared, micro, extras, layout.mesh, schedule)
     return pipeline.merge_microbatches(y), None if stats is None else jax.tree.map(lambda s: s / M, stats)
 
 
@@ -283,54 +282,43 @@ def forward(
     cfg: ModelConfig,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
-    activation_sharding=None,
-    rules=None,
+    layout: Layout | None = None,
     dropout_key: jax.Array | None = None,
     frozen_layers: int = 0,
-    slots: jax.Array | None = None,
-    pipeline: Schedule | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Final-norm hidden states [batch, seq, embed] for token ids [batch, seq], and MoE routing stats.
 
     Runs in the dtype of `params` (cast them first for mixed precision).
-    `activation_sharding` (a NamedSharding for [batch, seq, embed]) pins the
-    residual stream's layout at every block boundary, so the compiler cannot
-    drift into a layout that gathers the batch (the partitioner only sees
-    shardings of inputs and outputs otherwise); with the mesh's logical-axis
-    `rules` it also makes MoE layers expert-parallel over that mesh. The
-    stats (None for a dense model) have a leading axis over MoE layers.
-
     `positions` ([batch or 1, seq]) are the RoPE positions (packed
-    conversations restart at 0). `dropout_key` turns on LoRA dropout.
-    `frozen_layers` > 0 runs the first that many layers as their own scan
-    with the residual stream's gradient stopped after them: when only later
-    layers train, the backward pass never enters the frozen ones. `slots`
-    ([seq]) are the original slots of a row given in another order (context
-    parallelism's, `parallel.context`): masks follow them (None: in order).
-    `pipeline` (a parallel.pipeline.Schedule on `activation_sharding`'s mesh)
-    runs the stacks as that microbatched schedule over the mesh's pipeline
-    stages instead of one scan (see `_pipeline_stacks`); the stats are then
-    the mean over its microbatches.
+    conversations restart at 0). `layout` (parallel/layout.py; None: no
+    mesh) pins the residual stream's layout at every block boundary, makes
+    MoE layers expert-parallel and attention a ring over its context axis,
+    and with a pipeline schedule runs the stacks as that microbatched
+    schedule over the mesh's pipeline stages instead of one scan (see
+    `_pipeline_stacks`; the stats are then the mean over its microbatches).
+    Rows come in `layout.order` (the context order; masks follow the
+    original slots). `dropout_key` turns on LoRA dropout. `frozen_layers` > 0
+    runs the first that many layers as their own scan with the residual
+    stream's gradient stopped after them: when only later layers train, the
+    backward pass never enters the frozen ones. The stats (None for a dense
+    model) have a leading axis over MoE layers.
     """
 
     def constrain(x):
-        return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
+        return x if layout is None else layout.constrain(x)
 
-    mesh = getattr(activation_sharding, "mesh", None) if rules is not None else None
     if positions is None:
         positions = jnp.arange(tokens.shape[1])[None, :]
     cos, sin = attention.rope_tables(cfg, positions)
     x = constrain(quant.embed_lookup(params.embed, tokens))
 
-    layer = partial(_layer_body, cfg, slots=slots, constrain=constrain, mesh=mesh, rules=rules)
-    if pipeline is None:
+    layer = partial(_layer_body, cfg, layout=layout, constrain=constrain)
+    if layout is None or layout.schedule is None:
         x, stats = _scan_stacks(params, x, cfg, layer(cos, sin, segment_ids), dropout_key, frozen_layers)
     else:
         if dropout_key is not None or frozen_layers:
             raise ValueError("the pipeline schedule runs without LoRA dropout and frozen layers")
-        x, stats = _pipeline_stacks(
-            params, x, cfg, pipeline, activation_sharding, layer, (cos, sin, segment_ids)
-        )
+        x, stats = _pipeline_stacks(params, x, cfg, layout, layer, (cos, sin, segment_ids))
     return layers.rms_norm(x, params.final_norm, cfg.norm_eps), stats
 
 
@@ -341,7 +329,7 @@ def hidden_states(params: TransformerParams, tokens: jax.Array, cfg: ModelConfig
 
 def output_weights(params: TransformerParams):
     """The [embed, vocab] output projection (the embedding, transposed, when tied): an array or, in
-    params from `quant.quantize_params`, an int8 `quant.QuantizedMatrix` (`layers.dense` and `@` take both)."""
+    params from `quantize.quantize_params`, an int8 `quant.QuantizedMatrix` (`layers.dense` and `@` take both)."""
     return params.embed.T if params.lm_head is None else params.lm_head
 
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from shipyard.config import Config
 from shipyard.errors import TrainingDiverged
-from shipyard.train.checkpoint import Checkpointer
+from shipyard.run.checkpoint import Checkpointer
 from shipyard.train.metrics import MetricsWriter
 from shipyard.train.preference_loss import PreferenceSums, preference_metrics
 from shipyard.train.program import TrainProgram

@@ -15,8 +15,8 @@ from shipyard.config import Config
 from shipyard.data.preference import PackedPairs, PairBatchLoader, pack_pairs, read_pairs, render_pair
 from shipyard.errors import DataError
 from shipyard.output import progress
-from shipyard.runs import chat_tokenizer_path
 from shipyard.train.sft_data import checked_format, input_hashes
+from shipyard.train.startup import chat_tokenizer_path
 
 
 def _tokenizer_path(cfg: Config) -> Path:

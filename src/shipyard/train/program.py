@@ -23,11 +23,11 @@ from shipyard.data.preference import PREFERENCE_BATCH_KEYS, pair_slots
 from shipyard.errors import ConfigError
 from shipyard.model.attention import attention_impl
 from shipyard.model.params import abstract_params, param_shardings
+from shipyard.model.partition import Partition
 from shipyard.parallel.context import check_config as check_context
-from shipyard.parallel.mesh import logical_to_pspec, make_mesh, rules_for
-from shipyard.parallel.pipeline import Schedule, check_schedule, schedule_for
+from shipyard.parallel.layout import Layout, layout_for
+from shipyard.parallel.mesh import logical_to_pspec, make_mesh
 from shipyard.train import offload
-from shipyard.train.finetune import Partition
 from shipyard.train.optim import build_optimizer
 from shipyard.train.step import (
     TrainState,
@@ -57,8 +57,8 @@ class TrainProgram:
     """Everything about a run that follows from its config and mesh, nothing that holds data."""
 
     cfg: Config
-    mesh: Mesh
-    rules: dict
+    layout: Layout
+    """Mesh, rules, pipeline schedule, context order and activation shardings (parallel/layout.py)."""
     partition: Partition
     specs: Any
     """Spec tree of the trainable params (what the optimizer, shardings and checkpoint see)."""
@@ -85,6 +85,14 @@ class TrainProgram:
     reference_step: Any = None
     """Jitted `(trainable, frozen, batch) -> reply log-probs [B, 2P]` (replicated): the reference
     pass of train.preference.reference: cached (None otherwise)."""
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh
+
+    @property
+    def rules(self) -> dict:
+        return self.layout.rules
 
     @property
     def state_shardings(self):
@@ -193,30 +201,6 @@ def batch_layout(cfg: Config, mesh: Mesh, rules: dict) -> tuple[dict, dict]:
     return shardings, abstract
 
 
-def activation_sharding(cfg: Config, mesh: Mesh, rules: dict, rows: int) -> NamedSharding:
-    """The residual stream's layout, ("batch", "seq", "embed") under the rules, for `rows` sequences."""
-    shape = (rows, cfg.data.seq_len, cfg.model.hidden_size)
-    return NamedSharding(mesh, logical_to_pspec(("batch", "seq", "embed"), shape, mesh, rules))
-
-
-def pipeline_schedule(cfg: Config, mesh: Mesh) -> Schedule | None:
-    """The pipeline schedule of `cfg` on `mesh` (None without train.pipeline), checked: ConfigError
-    when mesh.pipeline > 1 has no train.pipeline, the layers or the batch do not split as it needs, or
-    only part of the model trains (the schedule has no frozen layers or LoRA dropout)."""
-    schedule = schedule_for(cfg, mesh)
-    if schedule is None:
-        return None
-    if cfg.train.finetune is not None:
-        raise ConfigError(
-            "train.pipeline: the pipeline schedule trains every parameter; set train.finetune: null "
-            "(or train.pipeline: null and mesh.pipeline=1 to fine-tune)"
-        )
-    model = cfg.model
-    layers = model.num_moe_layers if model.moe is not None else model.num_layers
-    check_schedule(schedule, layers, cfg.train.global_batch_size // cfg.train.microbatches)
-    return schedule
-
-
 def check_offload(cfg: Config, mesh: Mesh) -> None:
     """ConfigError when train.offload cannot run: a backend without pinned host memory
     (`offload.check`), or master params offloaded for preference tuning, whose reference and
@@ -251,7 +235,8 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     check_offload(cfg, mesh)
     check_attention(cfg, mesh)
-    rules = rules_for(cfg.mesh)
+    layout = layout_for(cfg, mesh)
+    rules = layout.rules
     batch_shardings, abstract_batch = batch_layout(cfg, mesh, rules)
     eos_id = document_eos_id(cfg, eos_id)
     partition = Partition(cfg.model, cfg.train.finetune)
@@ -261,39 +246,33 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     optimizer = build_optimizer(cfg.train, specs)
     state = abstract_state(cfg, specs, shardings, optimizer)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
-    batch_size = cfg.train.global_batch_size
-    schedule = pipeline_schedule(cfg, mesh)
-    rows = batch_size // cfg.train.microbatches // (schedule.microbatches if schedule else 1)
-    micro = activation_sharding(cfg, mesh, rules, rows)
     reference = state_shardings.params if reference_on_the_fly(cfg) else None
     more = () if reference is None else (reference,)
     train_step = jax.jit(
-        make_train_step(cfg, optimizer, eos_id, micro, rules, partition),
+        make_train_step(cfg, optimizer, eos_id, layout, partition),
         in_shardings=(state_shardings, batch_shardings, frozen_shardings, *more),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    full = activation_sharding(cfg, mesh, rules, batch_size // (schedule.microbatches if schedule else 1))
     eval_keys = tuple(batch_shardings) if cfg.data.chat or cfg.data.preference else ("tokens",)
     eval_shardings = (state_shardings.params, frozen_shardings, {k: batch_shardings[k] for k in eval_keys})
     if cfg.data.preference is None:
-        eval_step = jax.jit(make_eval_step(cfg, eos_id, full, rules, partition), in_shardings=eval_shardings)
+        eval_step = jax.jit(make_eval_step(cfg, eos_id, layout, partition), in_shardings=eval_shardings)
     else:
         eval_step = jax.jit(
-            make_preference_eval_step(cfg, full, rules, partition), in_shardings=(*eval_shardings, *more)
+            make_preference_eval_step(cfg, layout, partition), in_shardings=(*eval_shardings, *more)
         )
     reference_step = None
     if reference_cached(cfg):
         pairs = {k: batch_shardings[k] for k in PREFERENCE_BATCH_KEYS}
         reference_step = jax.jit(
-            make_reference_step(cfg, full, rules, partition),
+            make_reference_step(cfg, layout, partition),
             in_shardings=(state_shardings.params, frozen_shardings, pairs),
             out_shardings=NamedSharding(mesh, PartitionSpec()),  # every process holds every row's
         )
     return TrainProgram(
         cfg=cfg,
-        mesh=mesh,
-        rules=rules,
+        layout=layout,
         partition=partition,
         specs=specs,
         shardings=shardings,

@@ -1,7 +1,7 @@
 """The DPO reference: log-probs of the starting model, cached once per run or run in every step.
 
 The reference model is the model the run starts from, for every kind of
-fine-tuning: `Partition.compute_params(initial trainable, frozen)` (full
+fine-tuning: `Partition.compute_params` of the initial trainable tree and the frozen one (full
 training: the initial params; LoRA: fresh adapters with B = 0, so the base).
 
 reference: cached computes every packed row's reply log-probs (train and

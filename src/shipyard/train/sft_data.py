@@ -18,27 +18,21 @@ from shipyard.data.chat_format import (
     ChatFormat,
     pack,
     pad_id_of,
-    pick_template,
     read_conversations,
 )
 from shipyard.data.hf_template import TEMPLATE_FILE, HFTemplate
 from shipyard.data.shards import file_sha256
-from shipyard.data.tokenizer import load_tokenizer, tokenizer_sha256
+from shipyard.data.tokenizer import tokenizer_sha256
 from shipyard.errors import DataError
 from shipyard.output import progress
-from shipyard.runs import chat_tokenizer_path
-
-
-def chat_format_for(tok_path: Path, template: str = "auto") -> ChatFormat:
-    """The tokenizer at tok_path with the named template ("auto": its own HF chat template when it has one)."""
-    tok = load_tokenizer(tok_path)
-    return ChatFormat(tok, pick_template(template, tok, tok_path))
+from shipyard.run.model_dir import chat_format_of
+from shipyard.train.startup import chat_tokenizer_path
 
 
 def checked_format(cfg: Config, section: str, tok_path: Path, template: str) -> tuple[ChatFormat, int]:
     """(chat format, pad id) of the tokenizer a run's `section` (data.chat, data.preference) renders
     with; a tokenizer with more tokens than the model has ids is refused."""
-    fmt = chat_format_for(tok_path, template)
+    fmt = chat_format_of(tok_path, template)
     vocab = fmt.tok.get_vocab_size(with_added_tokens=True)
     if vocab > cfg.model.vocab_size:
         raise DataError(

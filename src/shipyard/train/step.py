@@ -20,12 +20,11 @@ from shipyard.config import Config
 from shipyard.data.preference import pair_slots
 from shipyard.model import transformer
 from shipyard.model.moe import MoEStats
+from shipyard.model.partition import Partition
 from shipyard.model.transformer import TransformerParams, output_weights
-from shipyard.parallel.context import context_size, zigzag_order
-from shipyard.parallel.pipeline import Schedule, schedule_for
+from shipyard.parallel.layout import Layout
 from shipyard.train import offload
 from shipyard.train.chunked_loss import head_loss_sums, head_token_stats, num_chunks
-from shipyard.train.finetune import Partition
 from shipyard.train.loss import LossSums
 from shipyard.train.optim import lr_schedule
 from shipyard.train.preference_loss import (
@@ -43,7 +42,7 @@ class TrainState:
     """int32 data step; advances on skipped steps too, so batch and schedule stay aligned."""
     params: Any
     """fp32 master copy of the trainable parameters: the whole TransformerParams, or with
-    train.finetune only the adapters / trained layers (see train/finetune.py)."""
+    train.finetune only the adapters / trained layers (see model/partition.py)."""
     opt_state: Any
     """optax state; left untouched by a skipped step."""
     loss_scale: jax.Array
@@ -129,12 +128,12 @@ def segment_ids(tokens: jax.Array, eos_id: int | None) -> jax.Array | None:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def _model_inputs(batch: dict, eos_id: int | None, order=None) -> dict:
+def _model_inputs(batch: dict, eos_id: int | None) -> dict:
     """Forward-pass keyword arguments for a batch: segment ids and positions when the batch
     carries them (packed chats), else segment ids from EOS positions (document masking); for a
-    batch in the context order (`_context_view`) its own, and the `order` as the slots."""
+    batch in the context order (`_context_view`) its own (the layout's order gives the slots)."""
     if "inputs" in batch:
-        return {"segment_ids": batch.get("segment_ids"), "positions": batch["positions"], "slots": order}
+        return {"segment_ids": batch.get("segment_ids"), "positions": batch["positions"]}
     if "segment_ids" in batch:
         return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
     return {"segment_ids": segment_ids(batch["tokens"][:, :-1], eos_id)}
@@ -150,12 +149,11 @@ def _targets(batch: dict) -> jax.Array:
     return batch["targets"] if "targets" in batch else batch["tokens"][:, 1:]
 
 
-def context_order(seq_len: int, activation_sharding, rules) -> np.ndarray | None:
-    """The zig-zag order rows take under context parallelism (`parallel.context`), None without it:
-    when the residual stream's layout splits seq over the context axis."""
-    mesh = getattr(activation_sharding, "mesh", None) if rules is not None else None
-    context = context_size(mesh)
-    return None if context == 1 else zigzag_order(seq_len, context)
+def chunk_count(cfg: Config, targets: jax.Array, layout: Layout | None) -> int:
+    """How many chunks the head and loss run in for `targets` [rows, seq] of one pass: at most
+    train.loss_chunk_tokens tokens per device each, by the residual stream's layout."""
+    sharding = None if layout is None else layout.activations_of(targets.shape[0])
+    return num_chunks(targets.shape, cfg.train.loss_chunk_tokens, sharding)
 
 
 def _context_view(batch: dict, eos_id: int | None, order: np.ndarray) -> dict:
@@ -179,18 +177,18 @@ def _context_view(batch: dict, eos_id: int | None, order: np.ndarray) -> dict:
 class GradientFn:
     """`gradients(params, frozen, batch, loss_scale, key) -> (grads, LossSums, MoEStats | None)`: full-batch
     gradient of the mean loss with respect to the trainable `params` (frozen: the rest, see
-    train/finetune.py; key: LoRA dropout, or None). Built by `make_gradient_fn`."""
+    model/partition.py; key: LoRA dropout, or None). Built by `make_gradient_fn`."""
 
     cfg: Config
     eos_id: int | None
-    activation_sharding: Any
-    rules: Any
+    layout: Layout | None
+    """Where the step's work lies (parallel/layout.py); None: no mesh."""
     partition: Partition
 
     def chunks(self, targets) -> int:
         """How many chunks the head and loss run in for `targets` [batch, seq]: at most
         train.loss_chunk_tokens tokens per device each (see train/chunked_loss.py)."""
-        return num_chunks(targets.shape, self.cfg.train.loss_chunk_tokens, self.activation_sharding)
+        return chunk_count(self.cfg, targets, self.layout)
 
     def token_sums(self, p, h, mb) -> LossSums:
         """Next-token LossSums of final hidden states `h` through `p`'s head, in `chunks`."""
@@ -203,25 +201,15 @@ class GradientFn:
             p,
             _inputs(mb),
             self.cfg.model,
-            activation_sharding=self.activation_sharding,
-            rules=self.rules,
+            layout=self.layout,
             dropout_key=key,
             frozen_layers=self.partition.frozen_layers,
-            pipeline=self.schedule(),
-            **_model_inputs(mb, self.eos_id, self.order()),
+            **_model_inputs(mb, self.eos_id),
         )
 
-    def schedule(self) -> Schedule | None:
-        """The pipeline schedule of train.pipeline on the activations' mesh (None: no pipeline)."""
-        return schedule_for(self.cfg, getattr(self.activation_sharding, "mesh", None))
-
-    def order(self) -> np.ndarray | None:
-        """The context order of rows (see `context_order`), None without context parallelism."""
-        return context_order(self.cfg.data.seq_len, self.activation_sharding, self.rules)
-
     def context_view(self, batch: dict) -> dict:
-        """The batch as the model sees it: in the context order under context parallelism."""
-        order = self.order()
+        """The batch as the model sees it: in the layout's context order under context parallelism."""
+        order = None if self.layout is None else self.layout.order
         return batch if order is None else _context_view(batch, self.eos_id, order)
 
     def with_moe_losses(self, loss, stats):
@@ -351,11 +339,7 @@ class PreferenceGradientFn(GradientFn):
 
 
 def make_gradient_fn(
-    cfg: Config,
-    eos_id: int | None = None,
-    activation_sharding=None,
-    rules=None,
-    partition: Partition | None = None,
+    cfg: Config, eos_id: int | None = None, layout: Layout | None = None, partition: Partition | None = None
 ) -> GradientFn:
     """The gradient function of `cfg` (see GradientFn).
 
@@ -365,8 +349,11 @@ def make_gradient_fn(
     returned gradients are still multiplied by `loss_scale`. The MoE stats
     have a leading axis over MoE layers.
     """
-    kind = PreferenceGradientFn if cfg.train.preference is not None else GradientFn
-    return kind(cfg, eos_id, activation_sharding, rules, partition or Partition(cfg.model, None))
+    partition = partition or Partition(cfg.model, None)
+    if cfg.train.preference is None:
+        return GradientFn(cfg, eos_id, layout, partition)
+    # pairs stay in their own order (PreferenceGradientFn.context_view)
+    return PreferenceGradientFn(cfg, eos_id, None if layout is None else layout.in_own_order(), partition)
 
 
 def _balance_router_bias(params: TransformerParams, stats: MoEStats, rate: float) -> TransformerParams:
@@ -473,15 +460,13 @@ def make_train_step(
     cfg: Config,
     optimizer: optax.GradientTransformation,
     eos_id: int | None = None,
-    activation_sharding=None,
-    rules=None,
+    layout: Layout | None = None,
     partition: Partition | None = None,
 ):
     """Build the (unjitted) step function `step(state, batch, frozen=None, reference=None)` for this config.
 
-    With `eos_id`, attention stops at documents' ends; `activation_sharding`
-    pins the residual stream's layout at block boundaries and, with the mesh
-    `rules`, makes MoE layers expert-parallel (see transformer.forward). With a
+    With `eos_id`, attention stops at documents' ends; `layout` lays the
+    work over the mesh (parallel/layout.py, see transformer.forward). With a
     fine-tuning `partition`, state.params is the trainable tree and `frozen`
     the rest, which the step reads and never returns. A batch may carry
     segment_ids and positions (packed chats) next to tokens and loss_mask. With train.preference the
@@ -492,7 +477,7 @@ def make_train_step(
     fp16 = train.precision.compute_dtype == "float16"
     schedule = lr_schedule(train.schedule, train.optimizer.lr, train.steps)
     partition = partition or Partition(cfg.model, None)
-    gradients = make_gradient_fn(cfg, eos_id, activation_sharding, rules, partition)
+    gradients = make_gradient_fn(cfg, eos_id, layout, partition)
     # Selection-bias balancing moves a param outside the optimizer: only when every param trains.
     bias_rate = (
         cfg.model.moe.bias_update_rate if cfg.model.moe is not None and partition.kind == "full" else 0.0
@@ -538,16 +523,14 @@ def make_train_step(
 
 
 def make_eval_step(
-    cfg: Config,
-    eos_id: int | None = None,
-    activation_sharding=None,
-    rules=None,
-    partition: Partition | None = None,
+    cfg: Config, eos_id: int | None = None, layout: Layout | None = None, partition: Partition | None = None
 ):
     """`eval_step(params, frozen, batch) -> (sum of token losses, token count)`: forward only, compute
-    dtype; the batch's loss_mask (and packed-chat segments) apply when present."""
+    dtype; the batch's loss_mask (and packed-chat segments) apply when present. Rows are read in
+    their own order (no context permutation)."""
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
     partition = partition or Partition(cfg.model, None)
+    layout = None if layout is None else layout.in_own_order()
 
     def eval_step(params, frozen, batch):
         if cfg.train.offload.params:  # the state's params, in host memory
@@ -558,36 +541,29 @@ def make_eval_step(
             p,
             tokens[:, :-1],
             cfg.model,
-            activation_sharding=activation_sharding,
-            rules=rules,
-            pipeline=schedule_for(cfg, getattr(activation_sharding, "mesh", None)),
+            layout=layout,
             **_model_inputs(batch, eos_id),
         )
         targets = tokens[:, 1:]
         mask = batch.get("loss_mask", jnp.ones(targets.shape))
-        chunks = num_chunks(targets.shape, cfg.train.loss_chunk_tokens, activation_sharding)
-        sums = head_loss_sums(h, output_weights(p), targets, mask, chunks)
+        sums = head_loss_sums(h, output_weights(p), targets, mask, chunk_count(cfg, targets, layout))
         return sums.ce, sums.tokens
 
     return eval_step
 
 
-def make_preference_eval_step(
-    cfg: Config, activation_sharding=None, rules=None, partition: Partition | None = None
-):
+def make_preference_eval_step(cfg: Config, layout: Layout | None = None, partition: Partition | None = None):
     """`eval_step(params, frozen, batch, reference=None) -> PreferenceSums`: the preference loss and
     metrics' sums of a batch of packed pairs, forward only."""
-    gradients = make_gradient_fn(cfg, None, activation_sharding, rules, partition)
+    gradients = make_gradient_fn(cfg, None, layout, partition)
     return gradients.sums
 
 
-def make_reference_step(
-    cfg: Config, activation_sharding=None, rules=None, partition: Partition | None = None
-):
+def make_reference_step(cfg: Config, layout: Layout | None = None, partition: Partition | None = None):
     """`reference_step(trainable, frozen, batch) -> reply log-probs [B, 2P]` (fp32) of the model the
     trainable and frozen trees make, in the compute dtype (the reference pass of train.preference's
     reference: cached; the step's on_the_fly reference forward computes the same)."""
-    gradients = make_gradient_fn(cfg, None, activation_sharding, rules, partition)
+    gradients = make_gradient_fn(cfg, None, layout, partition)
     compute = jnp.dtype(cfg.train.precision.compute_dtype)
 
     def reference_step(trainable, frozen, batch):

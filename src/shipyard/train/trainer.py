@@ -20,9 +20,16 @@ from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed, pipeline
-from shipyard.runs import announce_vocab_resize, base_params, check_ids_fit, check_init_from, run_tokenizer
-from shipyard.train import remote_run
-from shipyard.train.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
+from shipyard.run import remote
+from shipyard.run.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
+from shipyard.run.rundir import (
+    check_resumable,
+    config_text,
+    prepare_run_dir,
+    record_resume,
+    truncate_metrics,
+    write_run_header,
+)
 from shipyard.train.loop import (
     Evaluator,
     LoopParts,
@@ -40,19 +47,17 @@ from shipyard.train.program import (
     TrainProgram,
     build_program,
     document_eos_id,
-    pipeline_schedule,
     reference_on_the_fly,
 )
 from shipyard.train.reference import ReferencedLoader, ReferencedRows, cached_reference, reference_copy
-from shipyard.train.rundir import (
-    check_resumable,
-    config_text,
-    prepare_run_dir,
-    record_resume,
-    truncate_metrics,
-    write_run_header,
-)
 from shipyard.train.sft_data import copy_tokenizer, load_chat_data
+from shipyard.train.startup import (
+    announce_vocab_resize,
+    base_params,
+    check_ids_fit,
+    check_init_from,
+    run_tokenizer,
+)
 from shipyard.train.step import init_state
 
 Say = Callable[[str], None]
@@ -262,7 +267,7 @@ def announce(program: TrainProgram, state, run_dir: Path, say: Say) -> None:
         f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}, "
         f"mesh {dict(mesh.shape)}, run dir {run_dir}"
     )
-    schedule = pipeline_schedule(cfg, mesh)
+    schedule = program.layout.schedule
     if schedule is not None:
         say(f"shipyard: {pipeline.describe(schedule)}")
     if program.partition.kind != "full":
@@ -325,10 +330,10 @@ def _train(
     data = load_data(cfg, say)
     program = build_program(cfg, eos_id=data.eos_id)
     # A run in a bucket trains in a local working copy (pulled from the bucket on --resume) and is
-    # published as it goes: train/remote_run.py
-    run_dir = remote_run.local_copy(url) if url is not None else storage.local(target)
+    # published as it goes: run/remote.py
+    run_dir = remote.local_copy(url) if url is not None else storage.local(target)
     if url is not None and main:
-        remote_run.open_remote(url, resume, overwrite, say)
+        remote.open_remote(url, resume, overwrite, say)
     resuming = open_run_dir(cfg, run_dir, data, resume, overwrite, main, say, url)
     distributed.barrier("run directory ready")
     start, state, frozen = initial_state(program, run_dir, resuming, main, say)
@@ -337,9 +342,9 @@ def _train(
     log = step_log(program, run_dir, start, main)
     publisher = None
     if url is not None and main:
-        publisher = remote_run.Publisher(run_dir, url, cfg.train.checkpoint, say)
+        publisher = remote.Publisher(run_dir, url, cfg.train.checkpoint, say)
         publisher.sync_files()  # the header is in the bucket from the start
-        log = remote_run.PublishedLog(log, publisher)
+        log = remote.PublishedLog(log, publisher)
     hashed = publisher.checkpoint_hashed if publisher is not None else None
     checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps, on_hashed=hashed)
     batches = Prefetcher(batch_source(program, data), start, cfg.train.steps)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from shipyard import storage
 from shipyard.errors import ConfigError, DataError
-from shipyard.pipeline.steps import digest
+from shipyard.experiment.steps import digest
 from shipyard.storage import MARKER, StorageError
 
 

@@ -41,8 +41,8 @@ from shipyard.config import CheckpointConfig
 from shipyard.data.hashcache import sha256_files
 from shipyard.errors import ConfigError, RunDirError
 from shipyard.output import write_atomic
+from shipyard.run.checkpoint import SIDECAR, checkpoint_dir
 from shipyard.storage import StorageError, redact
-from shipyard.train.checkpoint import SIDECAR, checkpoint_dir
 
 RUN_MARKER = storage.MARKER
 CACHE_ENV = "SHIPYARD_RUN_CACHE"
@@ -377,7 +377,7 @@ def fetch_run(url: str, what: str) -> Path:
         raise RunDirError(f"{what}: checkpoint {step} of {where} is unusable: {got}")
     kept = checkpoint_dir(dest) / f"{step}{SIDECAR}"
     if kept.is_file() and kept.read_bytes() == got[0] and (dest / "config.yaml").is_file():
-        from shipyard.train.checkpoint import verify_checksums
+        from shipyard.run.checkpoint import verify_checksums
 
         if verify_checksums(checkpoint_dir(dest), step) is None:
             return dest

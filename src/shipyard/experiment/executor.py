@@ -41,10 +41,10 @@ from pydantic import Field, ValidationError
 from shipyard import storage
 from shipyard.config import Schema, format_validation_error, read_yaml
 from shipyard.errors import ConfigError, DataError
+from shipyard.experiment import remote
+from shipyard.experiment.steps import PATH_INPUTS, STEPS, digest, validate
 from shipyard.output import write_atomic
-from shipyard.pipeline import remote
-from shipyard.pipeline.steps import PATH_INPUTS, STEPS, digest, validate
-from shipyard.train.rundir import git_commit, package_versions
+from shipyard.run.rundir import git_commit, package_versions
 
 MARKER = "_SUCCESS"
 

@@ -1,4 +1,4 @@
-"""What each pipeline step kind does: `run(out_dir, inputs, config)`, and which of its files are its artifacts.
+"""What each pipeline step kind does, a function of (out_dir, inputs, config), and which of its files are its artifacts.
 
 A step function writes its whole output into `out_dir` (which does not exist
 yet; data stages create it atomically themselves). `inputs` maps the step's
@@ -6,7 +6,7 @@ input roles to paths (an upstream step's output directory, or a file/dir the
 pipeline names). `config` is the step's `config:` mapping from the pipeline
 file, validated by the same schema the standalone command uses.
 
-`digest(kind, out_dir)` hashes what a step produced for `shipyard reproduce`:
+`digest(kind, out)` hashes what a step produced for `shipyard reproduce`:
 the files that are a deterministic function of the inputs (documents, shards,
 tokenizer, the trained params and loss curve, evaluation numbers), leaving out
 timing and provenance records.
@@ -130,13 +130,13 @@ def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.data.tokenizer import load_tokenizer
     from shipyard.eval.evaluate import run_eval
     from shipyard.eval.heldout import unigram_metrics
-    from shipyard.runs import tokenizer_of
+    from shipyard.run.model_dir import tokenizer_of
 
     run, heldout = _need("eval", inputs, "run", "tokens")
     max_sequences = int(config.get("max_sequences", 64))
     report = run_eval(run, {"heldout": str(heldout)}, [], max_sequences=max_sequences).to_json()
     cfg = load_config(str(run / "config.yaml"))
-    tok_dir = tokenizer_of(cfg)
+    tok_dir = tokenizer_of(run, cfg)
     if tok_dir is not None and cfg.data.train_tokens is not None:
         tok = load_tokenizer(tok_dir)
         # on the very tokens the model was scored on (its first max_sequences sequences)
@@ -151,7 +151,7 @@ def _eval(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
 def _export_hf(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.interop.hf import write_hf_dir
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     (run,) = _need("export-hf", inputs, "run")
     model_dir = open_model_dir(run, "export-hf")
@@ -169,7 +169,7 @@ def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
     from shipyard.data.tokenizer import load_tokenizer
     from shipyard.inference.generate import Generator
-    from shipyard.runs import open_model_dir
+    from shipyard.run.model_dir import open_model_dir
 
     (run,) = _need("generate", inputs, "run")
     model_dir = open_model_dir(run, "generate")
@@ -188,7 +188,7 @@ def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 def _report(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     import shutil
 
-    from shipyard.report import write_report
+    from shipyard.run.report import write_report
 
     (run,) = _need("report", inputs, "run")
     path = write_report(run)
@@ -297,7 +297,7 @@ def _file_digest(paths: list[Path], root: Path) -> str:
 def digest(kind: str, out: Path) -> dict[str, str]:
     """{artifact: sha256} of what a finished step produced (see the module doc)."""
     if kind == "train":
-        from shipyard.runs import open_model_dir
+        from shipyard.run.model_dir import open_model_dir
 
         _, step, params = open_model_dir(out, "digest").load(what="digest")
         import jax

@@ -105,7 +105,7 @@ class Checkpointer:
         on_hashed: Callable[[int], None] | None = None,
     ):
         """`on_hashed(step)` is called (from the hashing thread) once checkpoint `step` is final and
-        its sidecar written: what a run in a bucket publishes (train/remote_run.py)."""
+        its sidecar written: what a run in a bucket publishes (run/remote.py)."""
         self.on_hashed = on_hashed
         self.cfg = cfg
         self.total_steps = total_steps

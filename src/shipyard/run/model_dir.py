@@ -81,7 +81,7 @@ class ModelDir:
         """The directory holding the tokenizer.json this model speaks, or None."""
         if self.tokenizer_dir is not None:
             return self.tokenizer_dir
-        return tokenizer_of(self.config, self.path)
+        return tokenizer_of(self.path, self.config)
 
     def require_tokenizer(self, what: str) -> Path:
         found = self.tokenizer()
@@ -91,6 +91,11 @@ class ModelDir:
                 "none); give one with --tokenizer DIR (a directory holding tokenizer.json)"
             )
         return found
+
+    def chat_format(self, template: str | None = None, what: str = "load"):
+        """The chat format this model talks in: its tokenizer with `template` (default: the one the run
+        trained with, `data.chat.template`, else "auto": the tokenizer's own HF chat template)."""
+        return chat_format_of(self.require_tokenizer(what), template or run_template(self.config))
 
     def generation(self, what: str = "load"):
         """The model's generation_config.json settings (from this directory, its tokenizer/, or the
@@ -116,9 +121,9 @@ class ModelDir:
         import jax
 
         from shipyard.model.params import param_shardings
+        from shipyard.model.partition import Partition
         from shipyard.model.transformer import param_specs
         from shipyard.parallel.mesh import make_mesh, rules_for
-        from shipyard.train.finetune import Partition
 
         cfg = self.config
         step = self.step(step, what)
@@ -137,7 +142,7 @@ class ModelDir:
             partition = Partition(cfg.model, cfg.train.finetune)
             params = self._restore(step, partition.trainable_specs(), mesh, rules, what)
             if partition.kind != "full":
-                base = base_params(cfg, full, param_shardings(full, mesh, rules))
+                base = base_weights(cfg, full, param_shardings(full, mesh, rules))
                 params = jax.jit(partition.merged_for_export)(params, partition.frozen(base))
         if to_host:
             params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
@@ -147,7 +152,7 @@ class ModelDir:
         """A LoRA run's adapters ({stack: {"a": {...}, "b": {...}} or None}) as host numpy."""
         import jax
 
-        from shipyard.train.finetune import Partition
+        from shipyard.model.partition import Partition
 
         partition = Partition(self.config.model, self.config.train.finetune)
         if partition.kind != "lora":
@@ -163,8 +168,8 @@ class ModelDir:
         """Refuse checkpoint `step` of a run when a file no longer matches its sha256 sidecar, in one
         line naming the file and the newest other checkpoint that verifies (no silent fallback: the
         user asked for this one). A checkpoint whose sidecar is not written yet is read as it is, as
-        `--resume` does (train/checkpoint.py: verify_checksums says why)."""
-        from shipyard.train.checkpoint import checkpoint_dir, verify_checksums
+        `--resume` does (run/checkpoint.py: verify_checksums says why)."""
+        from shipyard.run.checkpoint import checkpoint_dir, verify_checksums
 
         directory = checkpoint_dir(self.path)
         problem = verify_checksums(directory, step)
@@ -177,7 +182,7 @@ class ModelDir:
     def _alternative(self, directory: Path, bad: int, what: str) -> str:
         """Which other checkpoint to use instead, said the way `what` picks one (hashes newest first
         and stops at the first that verifies)."""
-        from shipyard.train.checkpoint import verify_checksums
+        from shipyard.run.checkpoint import verify_checksums
 
         others = [s for s in self.steps if s != bad]
         good = next((s for s in others if verify_checksums(directory, s) is None), None)
@@ -198,7 +203,7 @@ class ModelDir:
     def _restore(self, step: int, specs, mesh=None, rules=None, what: str = "load"):
         from shipyard.errors import ShipyardError
         from shipyard.model.params import abstract_params, param_shardings
-        from shipyard.train.checkpoint import checkpoint_dir, restore_params
+        from shipyard.run.checkpoint import checkpoint_dir, restore_params
 
         self.verify(step, what)
         shardings = None if mesh is None else param_shardings(specs, mesh, rules)
@@ -232,8 +237,8 @@ def _read_hf_params(path: Path, shardings, what: str):
 def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = None) -> ModelDir:
     """The model directory at `path`; `what` (the command) prefixes every error. `tokenizer` (a
     directory or a tokenizer.json) replaces the model's own. A run URL (s3://...) is read from a
-    verified local copy of its newest published checkpoint (train/remote_run.py: fetch_run)."""
-    model_dir = _open(_local_model(path, what), what)
+    verified local copy of its newest published checkpoint (run/remote.py: fetch_run)."""
+    model_dir = _open(local_model_path(path, what), what)
     if tokenizer is None:
         return model_dir
     tok = Path(tokenizer)
@@ -256,7 +261,7 @@ def open_model_dir(path: str | Path, what: str, tokenizer: str | Path | None = N
 
 def _open(path: Path, what: str) -> ModelDir:
     from shipyard.interop.hf import is_hf_dir, read_hf_config, run_config_for
-    from shipyard.train.checkpoint import available_steps, checkpoint_dir
+    from shipyard.run.checkpoint import available_steps, checkpoint_dir
 
     path = Path(path)
     if not path.is_dir():
@@ -282,13 +287,12 @@ def _open(path: Path, what: str) -> ModelDir:
     return ModelDir(path, "run", cfg, steps)
 
 
-def _local_model(path: str | Path, what: str) -> Path:
+def local_model_path(path: str | Path, what: str) -> Path:
     """A model directory as a local path: a run URL fetched into the user cache, a path as it is."""
-    from shipyard import storage
 
     if not storage.is_url(path):
         return Path(path)
-    from shipyard.train.remote_run import fetch_run
+    from shipyard.run.remote import fetch_run
 
     return fetch_run(str(path), what)
 
@@ -300,187 +304,49 @@ def load_model(
     return open_model_dir(path, what).load(step, to_host=to_host, what=what)
 
 
-def tokenizer_of(cfg: Config, model_dir: Path | None = None) -> Path | None:
-    """Where a model's tokenizer is: <dir>/tokenizer (runs copy theirs there), <dir> itself (an
-    import), data.chat.tokenizer, else the run's (first) token-shard directory."""
-    if model_dir is not None:
-        for candidate in (Path(model_dir) / "tokenizer", Path(model_dir)):
-            if (candidate / "tokenizer.json").is_file():
-                return candidate
+def tokenizer_of(path: str | Path, cfg: Config | None = None) -> Path | None:
+    """The one answer to "which tokenizer does the model directory at `path` speak": the directory
+    holding its tokenizer.json, or None.
+
+    Looked for in <path>/tokenizer (runs copy theirs there), <path> itself (an import, an HF
+    directory), the import around a params/ directory; else what its config (`cfg`, default its
+    config.yaml) recorded: data.chat.tokenizer, else its (first) local token-shard directory.
+    """
+    base = Path(path)
+    around = [base.parent] if base.name == "params" else []  # an import's params/ sits in the import
+    for candidate in (base / "tokenizer", base, *around):
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    if cfg is None:
+        found = next((p / "config.yaml" for p in (base, *around) if (p / "config.yaml").is_file()), None)
+        if found is None:
+            return None
+        cfg = load_config(str(found))
     if cfg.data.chat is not None and cfg.data.chat.tokenizer is not None:
         return Path(cfg.data.chat.tokenizer)
     paths, _ = cfg.data.sources()
-    for p in paths:
-        if (Path(p) / "tokenizer.json").is_file():
-            return Path(p)
-    return None
+    return next((Path(p) for p in paths if (Path(p) / "tokenizer.json").is_file()), None)
 
 
-def run_tokenizer(cfg: Config) -> Path | None:
-    """The tokenizer a run's model speaks, which the run records in <run>/tokenizer: its chat (or
-    preference) data's, its token shards', else the one of the model it starts from (a run, an
-    import, an HF directory). None for a model trained on id .npy files from scratch."""
-    if cfg.data.chat is not None:
-        return chat_tokenizer_path(cfg.data.chat.tokenizer, cfg.train.init_from)
-    if cfg.data.preference is not None and cfg.data.preference.tokenizer is not None:
-        return chat_tokenizer_path(cfg.data.preference.tokenizer, cfg.train.init_from)
-    paths, _ = cfg.data.sources()
-    for p in paths:
-        if storage.is_url(p) and storage.exists(str(storage.join(p, "tokenizer.json"))):
-            from shipyard.data.remote_tokenizer import local_tokenizer
-
-            return local_tokenizer(p)  # a shard set in a bucket: its published tokenizer, fetched
-        if not storage.is_url(p) and (Path(p) / "tokenizer.json").is_file():
-            return Path(p)
-    return None if cfg.train.init_from is None else init_from_tokenizer(cfg.train.init_from)
+def run_template(cfg: Config) -> str:
+    """The chat template a run trained with (`data.chat.template`), else "auto" (the model's own)."""
+    return cfg.data.chat.template if cfg.data.chat is not None else "auto"
 
 
-def init_from_tokenizer(init_from: str | Path) -> Path | None:
-    """The tokenizer that came with train.init_from: next to it (an `import hf` directory or its
-    params/, an HF directory, a run's tokenizer/), else the one its model directory speaks."""
-    base = _local_model(init_from, "train.init_from")
-    for candidate in (base, base.parent, base / "tokenizer"):
-        if (candidate / "tokenizer.json").is_file():
-            return candidate
-    for candidate in (base, base.parent):  # an import's params/ sits inside the import
-        if (candidate / "config.yaml").is_file() or (candidate / "config.json").is_file():
-            return open_model_dir(candidate, "train.init_from").tokenizer()
-    return None
-
-
-def check_ids_fit(cfg: Config, tokenizer_dir: Path) -> None:
-    """Token ids in the run's .npy sources must be ids of the tokenizer the model speaks (a .npy made
-    with another tokenizer would train on the wrong tokens without any other error)."""
+def chat_format_of(tok_path: Path, template: str = "auto"):
+    """The one answer to "which chat format does this run talk in": the tokenizer at `tok_path` with
+    the named template ("auto": its own HF chat template when it has one, else the built-in one)."""
+    from shipyard.data.chat_format import ChatFormat, pick_template
     from shipyard.data.tokenizer import load_tokenizer
 
-    size = load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=True)
-    for path in cfg.data.sources()[0]:
-        if not str(path).endswith(".npy"):
-            continue
-        if storage.is_url(path):  # read by ranges, a chunk at a time (never the whole file on disk)
-            from shipyard.data.remote_array import RemoteArray
-
-            ids, step = RemoteArray(str(path)), 1 << 22
-            top = max((int(ids[i : i + step].max(initial=0)) for i in range(0, len(ids), step)), default=0)
-        else:
-            top = int(np.load(path, mmap_mode="r", allow_pickle=False).max(initial=0))
-        if top >= size:
-            raise DataError(
-                f"data.train_tokens: {path} holds token id {top}, but the model's tokenizer "
-                f"({tokenizer_dir}) has {size} tokens; tokenize the data with that tokenizer"
-            )
+    tok = load_tokenizer(tok_path)
+    return ChatFormat(tok, pick_template(template, tok, tok_path))
 
 
-def chat_tokenizer_path(chat_tokenizer: str | None, init_from: str | None) -> Path:
-    """The tokenizer for chat data: data.chat.tokenizer, else the one that came with train.init_from
-    (an `import hf` directory or its params/, an SFT run's tokenizer/, a run's token-shard directory)."""
-    if chat_tokenizer is not None:
-        from shipyard.data.remote_tokenizer import local_tokenizer
-
-        return local_tokenizer(chat_tokenizer)  # a URL's published tokenizer, fetched to the cache
-    if init_from is None:
-        raise DataError(
-            "data.chat.tokenizer: not set and there is no train.init_from to take the tokenizer from"
-        )
-    found = init_from_tokenizer(init_from)
-    if found is not None:
-        return found
-    raise DataError(
-        f"data.chat.tokenizer: not set and no tokenizer.json found with train.init_from={init_from}; "
-        "set data.chat.tokenizer to the base model's tokenizer.json"
-    )
-
-
-def base_params(cfg: Config, specs, shardings):
-    """The params a run starts from: train.init_from (its embedding and head resized to the run's
-    vocabulary when train.resize_vocab asks for it: `vocab_plan`), else the seeded random init."""
-    import jax
-
-    from shipyard.model.params import init_params, is_spec
-    from shipyard.model.transformer import param_specs
-    from shipyard.train.resize_vocab import fitted, resize_params
-
-    if cfg.train.init_from is None:
-        return init_params(specs, jax.random.key(cfg.train.seed), shardings)
-    plan = vocab_plan(cfg) if cfg.train.resize_vocab else None
-    if plan is None:
-        return load_init_params(cfg.train.init_from, specs, shardings)
-    # Read the base at its own shapes (only the vocabulary differs: check_init_from), then resize.
-    old_specs = param_specs(cfg.model.model_copy(update={"vocab_size": plan.old_size}))
-    old_shardings = None
-    if shardings is not None:
-        old_shardings = jax.tree.map(
-            lambda sh, sp: fitted(sh, sp.shape), shardings, old_specs, is_leaf=is_spec
-        )
-    return resize_params(load_init_params(cfg.train.init_from, old_specs, old_shardings), plan, shardings)
-
-
-def vocab_plan(cfg: Config):
-    """How train.init_from's vocabulary maps to this run's (a `train.resize_vocab.VocabPlan`), or None
-    when there is nothing to resize: no init_from, or the same size and (where both tokenizers are
-    known) a vocabulary whose every token has the base's id. A mismatch without train.resize_vocab
-    is one ConfigError line naming both sides; so is a resize under train.finetune, or one where a
-    tokenizer to match the rows by is missing."""
-    from shipyard.train.resize_vocab import plan_resize, token_vocab, vocab_mismatch
-
-    base = _init_from_config(cfg)
-    if base is None:  # a bare params tree: load_init_params checks its shapes against this model
-        return None
-    old_tok, new_tok = init_from_tokenizer(cfg.train.init_from), run_tokenizer(cfg)
-    old_size, new_size = base.model.vocab_size, cfg.model.vocab_size
-    where = f"train.init_from: {Path(cfg.train.init_from).absolute()}"
-    if old_size != new_size:
-        named = [f"tokenizer {t}" if t is not None else "no tokenizer.json" for t in (old_tok, new_tok)]
-        problem = (
-            f"{where} has a vocabulary of {old_size} ({named[0]}), this run's model.vocab_size is "
-            f"{new_size} ({named[1]})"
-        )
-    elif old_tok is None or new_tok is None or old_tok.absolute() == new_tok.absolute():
-        return None  # nothing to compare ids with, or the very same tokenizer
-    else:
-        detail = vocab_mismatch(token_vocab(old_tok), token_vocab(new_tok))
-        if detail is None:
-            return None
-        problem = (
-            f"{where} speaks the tokenizer {old_tok}, this run's tokenizer {new_tok} is another vocabulary "
-            f"({detail}), so token ids would mean other strings"
-        )
-    if not cfg.train.resize_vocab:
-        raise ConfigError(
-            f"{problem}; set train.resize_vocab: true to resize the embedding and head to the run's vocabulary "
-            "(rows of tokens both share copied), or use the base model's tokenizer and vocab_size"
-        )
-    if cfg.train.finetune is not None:
-        raise ConfigError(
-            "train.resize_vocab: needs full fine-tuning (train.finetune: null): LoRA and train_last_layers "
-            "freeze the embedding, so the new tokens' rows would never train"
-        )
-    if old_tok is None or new_tok is None:
-        missing = f"train.init_from ({cfg.train.init_from})" if old_tok is None else "this run's data"
-        raise ConfigError(
-            f"train.resize_vocab: rows are matched by token string, but {missing} has no tokenizer.json "
-            "(give the run data tokenized with its tokenizer, or data.chat.tokenizer)"
-        )
-    return plan_resize(old_tok, new_tok, old_size, new_size)
-
-
-def announce_vocab_resize(cfg: Config, run_dir: Path | None, say) -> None:
-    """A resized run's start-up line ("resized the vocabulary 512 -> 600: ..."), and the resize in
-    its provenance.json (`run_dir`; None on processes other than the main one)."""
-    from shipyard.train.resize_vocab import record_plan
-
-    plan = vocab_plan(cfg) if cfg.train.resize_vocab else None
-    if plan is None:
-        return
-    say(f"shipyard: {plan.summary()}")
-    if run_dir is not None:
-        record_plan(run_dir, plan)
-
-
-def _init_from_config(cfg: Config) -> Config | None:
-    """The resolved config of the model train.init_from names (a run, an import or its params/, an HF
+def init_from_config(init_from: str | Path) -> Config | None:
+    """The resolved config of the model `init_from` names (a run, an import or its params/, an HF
     directory), or None for a bare params tree."""
-    path = _local_model(cfg.train.init_from, "train.init_from").absolute()
+    path = local_model_path(init_from, "train.init_from").absolute()
     places = [path] + ([path.parent] if path.name == "params" else [])
     for place in places:
         if (place / "config.yaml").is_file() or (place / "config.json").is_file():
@@ -488,44 +354,20 @@ def _init_from_config(cfg: Config) -> Config | None:
     return None
 
 
-def check_init_from(cfg: Config) -> None:
-    """What train.init_from names, checked before a run writes anything (its params are read
-    later): it exists, a model directory there holds a model of this shape (the vocabulary may
-    differ only with train.resize_vocab: `vocab_plan`), and the checkpoints it will be read from
-    verify (the run it names, that run's own base, and so on; imports and HF directories carry no
-    checksums)."""
+def base_weights(cfg: Config, specs, shardings):
+    """The params a run's training started from, at the run's own shapes: train.init_from's, else the
+    seeded random init (a fine-tuning run's frozen part is re-read from here; training start-up adds
+    the vocabulary resize on top: train/startup.py base_params)."""
+    import jax
+
+    from shipyard.model.params import init_params
+
     if cfg.train.init_from is None:
-        return
-    path = _local_model(cfg.train.init_from, "train.init_from").absolute()
-    if not path.is_dir():
-        raise ConfigError(
-            f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
-        )
-    base = _init_from_config(cfg)
-    if base is not None:
-        _same_model(base, cfg, path)
-    vocab_plan(cfg)  # a vocabulary mismatch is refused here, unless train.resize_vocab
-    seen: set[Path] = set()
-    while (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() and path not in seen:
-        seen.add(path)
-        model_dir = open_model_dir(path, "train.init_from")
-        model_dir.verify(model_dir.steps[0], "train.init_from")
-        if model_dir.config.train.init_from is None:
-            return
-        path = _local_model(model_dir.config.train.init_from, "train.init_from").absolute()
+        return init_params(specs, jax.random.key(cfg.train.seed), shardings)
+    return load_init_params(cfg.train.init_from, specs, shardings)
 
 
-def _same_model(theirs: Config, ours: Config, path: Path) -> None:
-    """The same model but for the vocabulary size (which `vocab_plan` decides about)."""
-    from shipyard.model.transformer import param_specs
-
-    shapes = _shape_table(param_specs(ours.model))
-    same_vocab = theirs.model.model_copy(update={"vocab_size": ours.model.vocab_size})
-    if _shape_table(param_specs(same_vocab)) != shapes:  # named with the base's own shapes
-        _same_shapes(param_specs(theirs.model), shapes, str(path))
-
-
-def _shape_table(tree) -> dict:
+def shape_table(tree) -> dict:
     """{path: shape} of a tree of arrays, abstract arrays or ArraySpecs."""
     import jax
 
@@ -533,8 +375,8 @@ def _shape_table(tree) -> dict:
     return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in leaves}
 
 
-def _same_shapes(params, shapes: dict, what: str):
-    got = _shape_table(params)
+def check_same_shapes(params, shapes: dict, what: str):
+    got = shape_table(params)
     if got != shapes:
         raise ConfigError(
             f"train.init_from: {what} holds a different model (e.g. embed {got.get('.embed')}, "
@@ -552,21 +394,21 @@ def load_init_params(path: str | Path, specs, shardings):
 
     from shipyard.model.params import abstract_params
 
-    path = _local_model(path, "train.init_from").absolute()
+    path = local_model_path(path, "train.init_from").absolute()
     if not path.is_dir():
         raise ConfigError(
             f"train.init_from: {path} does not exist (expected a run directory or the output of `shipyard import hf`)"
         )
     target = abstract_params(specs, shardings)
-    shapes = _shape_table(target)
+    shapes = shape_table(target)
     if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
         params = open_model_dir(path, "train.init_from").load(to_host=False, what="train.init_from").params
-        return jax.device_put(_same_shapes(params, shapes, f"the run {path}"), shardings)
+        return jax.device_put(check_same_shapes(params, shapes, f"the run {path}"), shardings)
     if not (path / "config.yaml").is_file() and (path / "config.json").is_file():
         from shipyard.interop.hf import read_hf_dir
 
         _, params = read_hf_dir(path, "train.init_from")
-        return jax.device_put(_same_shapes(params, shapes, f"the Hugging Face model {path}"), shardings)
+        return jax.device_put(check_same_shapes(params, shapes, f"the Hugging Face model {path}"), shardings)
     if (path / "params").is_dir():  # the `import hf` output directory itself
         path = path / "params"
     try:
