@@ -62,4 +62,5 @@ def test_models_it_does_not_implement_decode_with_forward_cached(config, overrid
     cfg = load_config(config, overrides).model
     params = noisy_params(cfg, key=3, seed=2, scale=0.2)
     assert not cpu_decode.supported(params, cfg)
-    assert not Engine(params, cfg, max_batch=1, max_len=16).uses_cpu_decode
+    engine = Engine(params, cfg, max_batch=1, max_len=16)
+    assert not engine.uses_cpu_decode and engine.decode_weights is engine.params

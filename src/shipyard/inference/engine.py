@@ -289,11 +289,12 @@ class Engine:
         self.params = jax.tree.map(jnp.asarray, params)
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
         if cpu_decode.supported(self.params, cfg):  # (dense models on CPU)
-            self._weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
+            # the weights the decode step reads: fused and unrolled once (`cpu_decode.prepare_weights`)
+            self.decode_weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
             forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
             axes = {"k": (0, 3), "v": (0, 2)}  # per-layer head-major caches: k [b, k, d, s], v [b, k, s, d]
         else:
-            self._weights = self.params
+            self.decode_weights = self.params
             forward, to_decode = partial(forward_cached, cfg=cfg), lambda cache: cache
             axes = {"k": (1, 2), "v": (1, 2)}  # KVCache [layers, batch, slots, kv_heads, head_dim]
         batch_axis = axes["k"][0]
@@ -379,7 +380,7 @@ class Engine:
             raise RuntimeError("compile the engine before starting it")
         for n_rows, span in self.shapes():
             out, self._rows, self._caches = self._decode(
-                self._weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
+                self.decode_weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
             )
             jax.block_until_ready(out)
             if on_shape is not None:
@@ -543,7 +544,7 @@ class Engine:
             n_rows, span = self.shape()
             want = any(r is not None and r.sampling.logprobs for r in self._slots[:n_rows])
             out, self._rows, self._caches = self._decode(
-                self._weights, self._rows, self._caches, np.bool_(want), n_rows=n_rows, span=span
+                self.decode_weights, self._rows, self._caches, np.bool_(want), n_rows=n_rows, span=span
             )
             queued = (out, list(self._slots[:n_rows]))
             for b in range(n_rows):
