@@ -1,4 +1,4 @@
-"""Generation throughput on CPU: shipyard's Generator (fp32 and int8 weights) vs transformers' `generate`.
+"""Generation throughput on CPU: shipyard's generation engine (fp32 and int8 weights) vs transformers' `generate`.
 
 A random model of the `small` preset's shape (hidden 384, 6 layers, 6 heads, 2
 KV heads, intermediate 1024, vocab 8192, untied, fp32) is saved as a shipyard
@@ -97,15 +97,21 @@ def write_run(run_dir: Path) -> None:
 def shipyard_generator(run_dir: Path, quantize: str | None = None):
     import jax
 
-    from shipyard.inference.generate import Generator
+    from shipyard.inference.engine import Sampling, engine_for
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import load_model
 
     cfg, _, params = load_model(run_dir)
     params = maybe_quantize(jax.tree.map(jax.numpy.asarray, params), cfg.model, quantize)
-    gen = Generator(params, cfg.model)
     batch = prompts()
-    return (lambda: gen(batch, NEW_TOKENS)), gen.tokens_per_call
+    # what `shipyard generate` runs for these prompts: an engine sized for the batch, one request each
+    engine = engine_for(params, cfg.model, batch, NEW_TOKENS)
+    greedy = Sampling(max_tokens=NEW_TOKENS)
+
+    def run():
+        return [list(c.tokens) for c in engine.generate(batch, greedy)]
+
+    return run, engine.tokens_per_call
 
 
 def transformers_generator(hf_dir: Path):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fixtures import run_requests
+from engine_fixtures import complete, run_requests
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.inference.decode import forward_cached, init_cache
 from shipyard.inference.engine import Engine, Request, Sampling, prompt_bucket
-from shipyard.inference.generate import Generator
 from shipyard.model.quantize import maybe_quantize
 
 RNG = np.random.default_rng(0)
@@ -35,8 +34,9 @@ def test_batched_requests_equal_each_alone(config, quantize, kv_dtype):
     cfg = load_config(config).model
     params = maybe_quantize(noisy_params(cfg, key=3, seed=2, scale=0.2), cfg, quantize)
     prompts = _prompts(cfg.vocab_size)
-    # the reference: one padded batch through the Generator (one compilation), cut to each request's length
-    want = [out[:n] for out, n in zip(Generator(params, cfg, kv_dtype=kv_dtype)(prompts, max(NEW)), NEW)]
+    # the reference: each request alone, one after the other, in a one-row engine driven by the caller
+    alone = Engine(params, cfg, max_batch=1, max_len=128, tokens_per_call=3, kv_dtype=kv_dtype)
+    want = [complete(alone, [p], n)[0] for p, n in zip(prompts, NEW)]
     engine = Engine(params, cfg, max_batch=4, max_len=128, tokens_per_call=3, kv_dtype=kv_dtype).start()
     try:
         got = _run(engine, prompts, [Sampling(max_tokens=n) for n in NEW])

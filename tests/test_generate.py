@@ -1,12 +1,14 @@
-"""Generation with a KV cache equals full-forward decoding and transformers' greedy generate."""
+"""Generation with a KV cache (the engine, as `shipyard generate` runs it) equals full-forward decoding
+and transformers' greedy generate."""
 
 import jax
 import jax.numpy as jnp
 import pytest
+from engine_fixtures import complete, generate
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
-from shipyard.inference.generate import Generator
+from shipyard.inference.engine import engine_for
 from shipyard.model.transformer import logits
 
 
@@ -42,23 +44,25 @@ def _greedy_full_forward(params, cfg, prompt, n):
 def test_cached_greedy_equals_full_forward_for_a_padded_batch(overrides):
     cfg = load_config("tiny", overrides).model
     params = _params(cfg)
-    gen = Generator(params, cfg)
-    got = gen(PROMPTS, 12)
+    engine = engine_for(params, cfg, PROMPTS, 12)
+    got = complete(engine, PROMPTS, 12)
     for prompt, tokens in zip(PROMPTS, got):
         assert tokens == _greedy_full_forward(params, cfg, prompt, 12)
-    gen(PROMPTS, 12)
-    assert gen.decode._cache_size() == 1  # one compilation for every decode step and call
+    assert complete(engine, PROMPTS, 12) == got
+    assert engine.decode_compilations() == 1  # one compilation for every decode step and call
 
 
 def test_sampling_is_seeded_and_stops():
     cfg = load_config("tiny").model
-    gen = Generator(_params(cfg), cfg)
-    a = gen(PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=3)
-    b = gen(PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=3)
-    c = gen(PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=4)
+    engine = engine_for(_params(cfg), cfg, PROMPTS, 10)
+    a = complete(engine, PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    b = complete(engine, PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    c = complete(engine, PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9, seed=4)
     assert a == b and a != c
-    first = gen(PROMPTS[:1], 10)[0]
-    stopped = gen(PROMPTS[:1], 10, stop_ids=(first[2],))[0]
+    # a prompt's reply depends on its seed, not on the prompts beside it
+    assert complete(engine, PROMPTS[1:2], 10, temperature=1.0, top_k=20, top_p=0.9, seed=3) == a[1:2]
+    first = complete(engine, PROMPTS[:1], 10)[0]
+    stopped = complete(engine, PROMPTS[:1], 10, stop_ids=(first[2],))[0]
     assert stopped == first[: first.index(first[2]) + 1]
 
 
@@ -66,21 +70,23 @@ def test_tokens_per_call_changes_nothing_but_how_often_the_host_is_called():
     cfg = load_config("tiny").model
     params = _params(cfg)
 
-    def run(gen):
+    def run(tokens_per_call):
+        engine = engine_for(params, cfg, PROMPTS, 11, tokens_per_call=tokens_per_call, fixed_shape=True)
         streamed = []
-        greedy = gen(PROMPTS, 11, on_token=lambda b, t: streamed.append((b, t)))
-        sampled = gen(PROMPTS, 11, temperature=1.0, top_k=20, seed=5)
-        stopped = gen(PROMPTS, 11, stop_ids=(greedy[0][4],), stop=lambda toks: len(toks) == 6)
-        return greedy, sampled, stopped, streamed
+        greedy = complete(engine, PROMPTS, 11, on_token=lambda b, t: streamed.append((b, t)))
+        sampled = complete(engine, PROMPTS, 11, temperature=1.0, top_k=20, seed=5)
+        stopped = complete(engine, PROMPTS, 11, stop_ids=(greedy[0][4],), stop=lambda toks: len(toks) == 6)
+        # on_token sees every kept token once, each row's in order
+        rows = [[t for b, t in streamed if b == row] for row in range(len(PROMPTS))]
+        return greedy, sampled, stopped, rows
 
-    one_by_one = run(Generator(params, cfg, tokens_per_call=1))
+    one_by_one = run(1)
     greedy, _, stopped, streamed = one_by_one
-    # on_token sees every token once, step by step, rows in order within a step
-    assert streamed == [(b, greedy[b][i]) for i in range(11) for b in range(len(PROMPTS))]
+    assert streamed == greedy
     assert stopped[0] == greedy[0][: greedy[0].index(greedy[0][4]) + 1]
     assert all(len(s) <= 6 for s in stopped)
     for n in (3, 16):
-        assert run(Generator(params, cfg, tokens_per_call=n)) == one_by_one
+        assert run(n) == one_by_one
 
 
 def test_greedy_equals_transformers_generate(tmp_path):
@@ -95,7 +101,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
     write_safetensors(to_hf_tensors(params, cfg), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
-    ours = Generator(params, cfg)(PROMPTS, 16)
+    ours = generate(params, cfg, PROMPTS, 16)
     for prompt, tokens in zip(PROMPTS, ours):
         with torch.no_grad():
             out = model.generate(

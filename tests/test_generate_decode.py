@@ -1,4 +1,4 @@
-"""Generator's CPU decode step (fused weights, per-layer caches) against inference.decode.forward_cached."""
+"""The engine's CPU decode step (fused weights, per-layer caches) against inference.decode.forward_cached."""
 
 from functools import partial
 
@@ -11,7 +11,7 @@ from model_fixtures import noisy_params
 from shipyard.config import load_config
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
-from shipyard.inference.generate import Generator
+from shipyard.inference.engine import Engine
 
 PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
@@ -62,4 +62,5 @@ def test_models_it_does_not_implement_decode_with_forward_cached(config, overrid
     cfg = load_config(config, overrides).model
     params = noisy_params(cfg, key=3, seed=2, scale=0.2)
     assert not cpu_decode.supported(params, cfg)
-    assert Generator(params, cfg)._decode_params is params
+    engine = Engine(params, cfg, max_batch=1, max_len=16)
+    assert not engine.uses_cpu_decode and engine.decode_weights is engine.params

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from data_fixtures import MC_ROWS, prose, write_jsonl
+from engine_fixtures import complete
 from model_fixtures import noisy_params, save_run
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file: never ask the Hub
@@ -32,7 +33,7 @@ from shipyard.data.tokenize import run_tokenize  # noqa: E402
 from shipyard.data.tokenizer import load_tokenizer, run_tokenizer_train  # noqa: E402
 from shipyard.eval.loglik import loglikelihoods  # noqa: E402
 from shipyard.eval.tasks import multiple_choice  # noqa: E402
-from shipyard.inference.generate import Generator  # noqa: E402
+from shipyard.inference.engine import Engine  # noqa: E402
 from shipyard.model.transformer import logits  # noqa: E402
 
 
@@ -218,7 +219,7 @@ def test_loglikelihood_split_at_a_merged_token_and_empty_context(setup, lm):
 def test_is_greedy_and_left_truncation(setup, lm, lm16):
     tok, cfg, params = setup["tok"], setup["cfg"], setup["params"]
     prompt = tok.encode("Kabel lodor mifin").ids
-    greedy = Generator(params, cfg)([prompt], 6)[0]
+    greedy = complete(Engine(params, cfg, max_batch=1, max_len=64), [prompt], 6)[0]
     other = tok.encode(" pegat zumon").ids
     assert other != greedy[: len(other)]
     # token level (what lm-eval's TemplateLM calls after tokenizing): greedy tokens are greedy, others not
@@ -276,10 +277,10 @@ def test_generate_until_equals_generator_greedy_with_stops(setup, lm):
     tok, cfg, params = setup["tok"], setup["cfg"], setup["params"]
     eos = lm.eot_token_id
     prompts = ["Kabel lodor", "Mi", "Simon rasen tovel kafin pegat"]
-    gen = Generator(params, cfg)
+    alone = Engine(params, cfg, max_batch=1, max_len=64)
 
     def reference(prompt: str, n: int) -> str:
-        tokens = gen([tok.encode(prompt).ids], 12, pad_multiple=WIDTH)[0][:n]  # alone, not in a batch
+        tokens = complete(alone, [tok.encode(prompt).ids], 12)[0][:n]  # alone, not in a batch
         return tok.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
 
     full = [reference(p, 12) for p in prompts]
@@ -303,7 +304,7 @@ def test_shipyard_imports_without_lm_eval():
     code = (
         "import sys\n"
         "sys.modules['lm_eval'] = None  # as if not installed\n"
-        "import shipyard, shipyard.cli.main, shipyard.eval.evaluate, shipyard.inference.generate, shipyard.interop.hf\n"
+        "import shipyard, shipyard.cli.main, shipyard.eval.evaluate, shipyard.inference.engine, shipyard.interop.hf\n"
         "try:\n"
         "    import shipyard.lm_eval_adapter\n"
         "except ImportError as e:\n"

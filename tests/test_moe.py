@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import generate
 from jax.sharding import NamedSharding
 from model_fixtures import noisy_params
 
 from shipyard.cli.main import main
 from shipyard.config import load_config
-from shipyard.inference.generate import Generator
 from shipyard.model.layers import swiglu
 from shipyard.model.moe import capacity, moe_mlp, route
 from shipyard.model.params import init_params, param_shardings
@@ -300,7 +300,7 @@ def test_cached_generation_of_an_moe_model_equals_full_forward():
     cfg = load_config("moe-tiny").model
     params = noisy_params(cfg, key=2, seed=1, scale=0.2)
     prompt = [5, 17, 99, 3]
-    got = Generator(params, cfg)([prompt], 10)[0]
+    got = generate(params, cfg, [prompt], 10)[0]
     # Full forward over a right-padded fixed width (one compilation; causal attention ignores the padding).
     forward = jax.jit(lambda toks: logits(params, toks, cfg))
     seq = list(prompt)

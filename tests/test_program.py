@@ -112,7 +112,7 @@ def test_the_layout_is_derived_once():
     derivations = {"schedule_for(", "zigzag_order("}
     found = []
     for path in sorted(src.rglob("*.py")):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for line in path.read_text().splitlines():
             code = line.split("#")[0]
             if any(d in code for d in derivations) and not re.match(r"\s*def ", code):
                 found.append((str(path.relative_to(src)), code.strip()))

@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from engine_fixtures import complete, generate
 from model_fixtures import noisy_params
 
 from shipyard.config import load_config
 from shipyard.inference import cpu_decode
-from shipyard.inference.generate import Generator, decode_compiler_options
+from shipyard.inference.engine import Engine, decode_compiler_options, engine_for
 from shipyard.model import attention, layers, quant, quantize
 from shipyard.model.transformer import logits, output_weights
 
@@ -145,8 +146,8 @@ def test_int8_logits_and_greedy_continuations_on_a_trained_model(trained):
     ref, got = np.asarray(logits(params, tokens, cfg.model)), np.asarray(logits(qparams, tokens, cfg.model))
     rel = np.abs(got - ref) / ref.std()
     prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist() for _ in range(16)]
-    want = Generator(params, cfg.model)(prompts, 16)
-    outs = Generator(qparams, cfg.model)(prompts, 16)
+    want = generate(params, cfg.model, prompts, 16)
+    outs = generate(qparams, cfg.model, prompts, 16)
     identical = sum(a == b for a, b in zip(outs, want))
     print(
         f"int8 vs fp32: max |dlogit|/std {rel.max():.4f}, mean {rel.mean():.5f}; greedy identical {identical}/16"
@@ -175,19 +176,19 @@ def test_quantized_generator_on_both_decode_paths(config):
     forward_cached: both give the full forward's greedy tokens on the same int8 weights."""
     cfg = load_config(config).model
     params = quantize.quantize_params(jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2)), cfg)
-    gen = Generator(params, cfg)
+    engine = engine_for(params, cfg, PROMPTS, 8)
     if config == "tiny":
-        assert cpu_decode.supported(params, cfg)
-        layer = gen._decode_params.layers[0]
+        assert cpu_decode.supported(params, cfg) and engine.uses_cpu_decode
+        layer = engine.decode_weights.layers[0]
         assert quant.is_quantized(layer.gate_up) and quant.is_quantized(layer.attn.qkv)
-        assert quant.is_quantized(gen._decode_params.head)
+        assert quant.is_quantized(engine.decode_weights.head)
         assert decode_compiler_options(params) == {
             "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
         }
     else:
-        assert not cpu_decode.supported(params, cfg) and gen._decode_params is params
+        assert not cpu_decode.supported(params, cfg) and engine.decode_weights is engine.params
         assert not quant.is_quantized(params.moe_blocks.moe.w_gate)  # experts stay fp32
-    assert gen(PROMPTS, 8) == _greedy_full_forward(params, cfg, PROMPTS, 8)
+    assert complete(engine, PROMPTS, 8) == _greedy_full_forward(params, cfg, PROMPTS, 8)
 
 
 def test_cpu_decode_step_on_int8_weights_equals_forward_cached():
@@ -214,20 +215,10 @@ def test_bfloat16_kv_cache_keeps_greedy_output(trained, quantized):
         params = quantize.quantize_params(params, cfg.model)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist() for _ in range(16)]
-    gen = Generator(params, cfg.model, kv_dtype="bfloat16")
-    _, cache, _ = gen.prefill(
-        params,
-        jnp.zeros((1, 4), jnp.int32),
-        jnp.zeros(1, jnp.int32),
-        jax.random.key(0),
-        max_len=8,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-    )
-    assert {leaf.dtype for leaf in jax.tree.leaves(cache)} == {jnp.dtype(jnp.bfloat16)}
-    want = Generator(params, cfg.model)(prompts, 16)
-    identical = sum(a == b for a, b in zip(gen(prompts, 16), want))
+    engine = engine_for(params, cfg.model, prompts, 16, kv_dtype="bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(engine._caches)} == {jnp.dtype(jnp.bfloat16)}
+    want = generate(params, cfg.model, prompts, 16)
+    identical = sum(a == b for a, b in zip(complete(engine, prompts, 16), want))
     print(f"bf16 KV cache (int8 weights: {quantized}): greedy identical {identical}/16")
     assert identical >= 0.75 * len(prompts)
 
@@ -235,9 +226,9 @@ def test_bfloat16_kv_cache_keeps_greedy_output(trained, quantized):
 def test_bfloat16_kv_cache_on_forward_cached():
     cfg = load_config("moe-tiny").model
     params = jax.tree.map(jnp.asarray, noisy_params(cfg, 2, 1, 0.2))
-    got = Generator(params, cfg, kv_dtype=jnp.bfloat16)(PROMPTS, 6)
+    got = generate(params, cfg, PROMPTS, 6, engine_options={"kv_dtype": jnp.bfloat16})
     assert [len(t) for t in got] == [6, 6, 6]
-    assert Generator(params, cfg).kv_dtype == jnp.float32
+    assert Engine(params, cfg, max_batch=1, max_len=16).kv_dtype == jnp.float32
 
 
 @pytest.fixture(scope="module")
@@ -270,17 +261,17 @@ def run_dir(trained, tmp_path_factory):
 
 @pytest.fixture
 def generators(monkeypatch):
-    """Records (int8 weights?, KV dtype) of every Generator the commands build."""
-    import shipyard.inference.generate as generate
+    """Records (int8 weights?, KV dtype) of every generation engine the commands build."""
+    import shipyard.inference.engine as engine
 
     made = []
 
-    class Recording(generate.Generator):
+    class Recording(engine.Engine):
         def __init__(self, params, cfg, **kw):
             super().__init__(params, cfg, **kw)
             made.append((quant.is_quantized(params.blocks.wq), self.kv_dtype))
 
-    monkeypatch.setattr(generate, "Generator", Recording)
+    monkeypatch.setattr(engine, "Engine", Recording)
     return made
 
 
@@ -293,8 +284,9 @@ def test_generate_cli_with_int8_weights_and_a_bfloat16_cache(trained, run_dir, c
     tok = load_tokenizer(run / "tokenizer")
     prompts = ["Kabel lodor", "Mi"]
     ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    gen = Generator(quantize.quantize_params(params, cfg.model), cfg.model, kv_dtype="bfloat16")
-    want = [tok.decode(t, skip_special_tokens=False) for t in gen(ids, 6)]
+    qparams = quantize.quantize_params(params, cfg.model)
+    outs = generate(qparams, cfg.model, ids, 6, engine_options={"kv_dtype": "bfloat16"})
+    want = [tok.decode(t, skip_special_tokens=False) for t in outs]
     args = ["generate", str(run), "--max-new-tokens", "6", "--quantize", "int8", "--kv-dtype", "bfloat16"]
     capsys.readouterr()
     assert main([*args, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
@@ -379,4 +371,4 @@ def test_quantize_params_keeps_what_it_should_and_refuses_unknown_modes():
     with pytest.raises(ValueError, match="int8"):
         quantize.maybe_quantize(params, cfg, "int4")
     with pytest.raises(ValueError, match="embedding"):  # the decode steps' lookups take arrays only
-        Generator(quantize.quantize_params(params, cfg, embed=True), cfg)
+        Engine(quantize.quantize_params(params, cfg, embed=True), cfg, max_batch=1, max_len=16)

@@ -1,8 +1,8 @@
 """Sampling does what its settings say, checked against sets and distributions computed here with numpy.
 
-The samplers: `inference.sampling.filter_logits` (the one top-k / top-p rule), the Generator's
-`generate.sample` (settings fixed per call) and the engine's `engine.sample_rows` (settings per
-row), each also end to end through `Generator` and `Engine` on a tiny random model. The references:
+The sampler: `inference.sampling.filter_logits` (the one top-k / top-p rule) inside
+`sampling.pick_tokens` (the one token picker: settings for the whole batch or per row), also end to
+end through `Engine.generate` (every command's client) on a tiny random model. The references:
 `allowed` (the top-k set and the top-p nucleus from float64 logits), a float64 softmax, and scipy's
 chi-square test of the sampled frequencies (fixed seeds: the verdicts are the same on every run).
 """
@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fixtures import run_requests
+from engine_fixtures import complete, run_requests
 from model_fixtures import noisy_params
 
 from shipyard.cli.main import build_parser, main
 from shipyard.config import load_config
 from shipyard.errors import ConfigError
-from shipyard.inference.engine import Engine, Sampling, sample_rows
-from shipyard.inference.generate import Generator, sample
-from shipyard.inference.sampling import filter_logits
+from shipyard.inference.engine import Engine, Sampling
+from shipyard.inference.sampling import filter_logits, pick_tokens
 from shipyard.model.transformer import logits as model_logits
 
 stats = pytest.importorskip("scipy.stats")
@@ -123,25 +121,24 @@ def test_the_best_token_survives_any_top_p():
 
 @pytest.mark.parametrize("temperature", [0.5, 1.7])
 def test_every_sample_lies_in_the_top_k_set_and_the_nucleus(temperature):
-    """Both samplers, 32 draws of each of 64 rows (one batch: each row draws on its own): every pick is
-    in the set computed from logits / temperature."""
+    """The picker with settings for the whole batch and per row, 32 draws of each of 64 rows (one batch:
+    each row draws on its own): every pick is in the set computed from logits / temperature."""
     rng = np.random.default_rng(7)
     rows = rng.normal(size=(64, 48)).astype(np.float32) * 2
     draws = jnp.asarray(np.tile(rows, (32, 1)))
     n = draws.shape[0]
-    engine_sampler = jax.jit(sample_rows)
+    picker = jax.jit(pick_tokens)
     for k, p in [(5, 1.0), (0, 0.6), (12, 0.8), (1, 0.5)]:
         inside = np.zeros(rows.shape, bool)
         for r, row in enumerate(rows):
             inside[r, list(allowed(row / temperature, k, p, slack=1e-5))] = True
         inside = np.tile(inside, (32, 1))
-        picks = np.asarray(
-            jax.jit(partial(sample, temperature=temperature, top_k=k, top_p=p))(draws, jax.random.key(k))
-        )
-        assert inside[np.arange(n), picks].all(), (k, p)
+        keys = jax.random.split(jax.random.key(k), n)
+        picks, _ = picker(draws, keys, np.float32(temperature), np.int32(k), np.float32(p))
+        assert inside[np.arange(n), np.asarray(picks)].all(), (k, p)
         keys = jax.random.split(jax.random.key(100 + k), n)
         t, kk, pp = jnp.full(n, temperature), jnp.full(n, k), jnp.full(n, p)
-        picks, _ = engine_sampler(draws, keys, t, kk, pp)
+        picks, _ = picker(draws, keys, t, kk, pp)
         assert inside[np.arange(n), np.asarray(picks)].all(), (k, p)
 
 
@@ -149,11 +146,21 @@ def test_every_sample_lies_in_the_top_k_set_and_the_nucleus(temperature):
 def tiny():
     cfg = load_config("tiny").model
     params = noisy_params(cfg, key=2, seed=1, scale=0.2)
-    return cfg, params, Generator(params, cfg)
+    return cfg, params, Engine(params, cfg, max_batch=NB, max_len=32, fixed_shape=True)
 
 
+NB = 256  # engine rows: N first tokens come from N / NB grouped prefill calls
 PROMPT = [5, 17, 99, 3]
 N = 8192  # draws per chi-square test: a bias of a few percent in a token of 10% mass shows
+
+
+def _first_tokens(engine, temperature, top_k, top_p, seed) -> list[list[int]]:
+    """One new token for each of N copies of PROMPT, copy i seeded with seed * N + i."""
+    settings = [
+        Sampling(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed * N + i)
+        for i in range(N)
+    ]
+    return [list(c.tokens) for c in engine.generate([PROMPT] * N, settings)]
 
 
 def _last_logits(params, cfg, prompt) -> np.ndarray:
@@ -162,23 +169,23 @@ def _last_logits(params, cfg, prompt) -> np.ndarray:
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (1.3, 40, 0.9)])
 def test_generator_frequencies_match_the_models_distribution(tiny, temperature, top_k, top_p):
-    """N identical prompts in one batch: the first tokens are N independent draws of one distribution."""
-    cfg, params, gen = tiny
+    """N identical prompts, each its own seed: the first tokens are N independent draws of one distribution."""
+    cfg, params, engine = tiny
     logits = _last_logits(params, cfg, PROMPT) / temperature
     probs = _truncated(logits, top_k or 0, 1.0 if top_p is None else top_p)
-    first = np.array([o[0] for o in gen([PROMPT] * N, 1, temperature=temperature, top_k=top_k, top_p=top_p)])
+    first = np.array([o[0] for o in _first_tokens(engine, temperature, top_k or 0, top_p or 1.0, 0)])
     assert chi_square_p(first, probs) > 1e-3
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 40, 0.9), (1.0, 0, 0.5)])
 def test_engine_sampler_frequencies_match_the_models_distribution(tiny, temperature, top_k, top_p):
-    """engine.sample_rows, N rows of the same logits with their own keys (as N requests would have),
+    """sampling.pick_tokens, N rows of the same logits with their own keys (as N requests would have),
     and greedy rows beside them that must stay the argmax."""
     cfg, params, _ = tiny
     logits = _last_logits(params, cfg, PROMPT)
     rows = jnp.asarray(np.broadcast_to(logits.astype(np.float32), (N, len(logits))))
     hot = np.arange(N) % 8 != 0  # every 8th row greedy
-    picks, _ = sample_rows(
+    picks, _ = pick_tokens(
         rows,
         jax.random.split(jax.random.key(11), N),
         jnp.asarray(np.where(hot, temperature, 0.0), jnp.float32),
@@ -192,9 +199,9 @@ def test_engine_sampler_frequencies_match_the_models_distribution(tiny, temperat
 
 def test_chi_square_check_tells_a_wrong_temperature_apart(tiny):
     """The test above has the power to fail: T = 1 samples are not T = 0.8 samples."""
-    cfg, params, gen = tiny
+    cfg, params, engine = tiny
     logits = _last_logits(params, cfg, PROMPT)
-    first = np.array([o[0] for o in gen([PROMPT] * N, 1, temperature=1.0, seed=3)])
+    first = np.array([o[0] for o in _first_tokens(engine, 1.0, 0, 1.0, 3)])
     assert chi_square_p(first, _softmax(logits / 0.8)) < 1e-6
 
 
@@ -208,27 +215,28 @@ SAME_LENGTH = [[5, 17, 99, 3], [42, 7, 300, 11], [7, 8, 9, 10], [200, 201, 1, 90
 
 
 def test_top_k_one_and_tiny_temperatures_are_greedy(tiny):
-    cfg, params, gen = tiny
-    greedy = gen(SAME_LENGTH, 12)
+    cfg, params, engine = tiny
+    greedy = complete(engine, SAME_LENGTH, 12)
     # tokens within a logit of 1e-3 of the best could swap at T = 1e-4; none are that close
     assert _greedy_margin(params, cfg, SAME_LENGTH, greedy) > 4e-3
     for seed in (0, 1):
-        assert gen(SAME_LENGTH, 12, temperature=1.0, top_k=1, seed=seed) == greedy
-    # the Generator's sampler on every logit row of those replies (sparing a compilation of the whole
-    # Generator per setting): T = 0 is the argmax whatever the filters; tiny T and a tiny nucleus are too
+        assert complete(engine, SAME_LENGTH, 12, temperature=1.0, top_k=1, seed=seed) == greedy
+    # the picker on every logit row of those replies, settings for the whole batch (sparing a run of
+    # the engine per setting): T = 0 is the argmax whatever the filters; tiny T and a tiny nucleus are too
     # (1e-40 is a float32 subnormal, flushed to zero: logits / T were inf and nan; it divides by the floor)
     rows = jnp.asarray(_full_forward_logits(params, cfg, SAME_LENGTH, greedy).reshape(-1, cfg.vocab_size))
     want = np.asarray(greedy).reshape(-1)
     for t, k, p in [
         (0.0, 30, 0.5),
-        (1e-4, None, None),
-        (1e-9, None, None),
+        (1e-4, 0, 1.0),
+        (1e-9, 0, 1.0),
         (1e-40, 7, 0.9),
         (1.9, 1, 0.99),
-        (1.0, None, 1e-6),
+        (1.0, 0, 1e-6),
     ]:
         for seed in range(3):
-            got = np.asarray(sample(rows, jax.random.key(seed), t, k, p))
+            keys = jax.random.split(jax.random.key(seed), rows.shape[0])
+            got = np.asarray(pick_tokens(rows, keys, np.float32(t), np.int32(k), np.float32(p))[0])
             assert (got == want).all(), (t, k, p, seed)
 
 
@@ -256,12 +264,12 @@ def _assert_inside(params, cfg, prompts, out, settings):
 
 def test_generator_samples_stay_inside_the_set_at_every_position(tiny):
     """Prefill and decode steps, many rows and seeds: each token is in the set of its own logits."""
-    cfg, params, gen = tiny
+    cfg, params, engine = tiny
     rng = np.random.default_rng(3)
     prompts = rng.integers(3, cfg.vocab_size, size=(24, 5)).tolist()
-    t, k, p = 1.5, 15, 0.8  # one setting, one compilation (the engine's test varies them per row)
+    t, k, p = 1.5, 15, 0.8  # one setting (the started engine's test below varies them per row)
     for seed in range(3):
-        out = gen(prompts, 10, temperature=t, top_k=k, top_p=p, seed=seed)
+        out = complete(engine, prompts, 10, temperature=t, top_k=k, top_p=p, seed=seed)
         _assert_inside(params, cfg, prompts, out, [(t, k, p)] * len(prompts))
 
 
@@ -270,8 +278,8 @@ def _engine_run(engine: Engine, prompts, sampling) -> list[list[int]]:
 
 
 def test_engine_greedy_equivalents_and_samples_inside_the_set(tiny):
-    cfg, params, gen = tiny
-    greedy = gen(SAME_LENGTH, 12)
+    cfg, params, driven = tiny
+    greedy = complete(driven, SAME_LENGTH, 12)
     # fixed_shape: one decode program to compile
     engine = Engine(params, cfg, max_batch=4, max_len=32, tokens_per_call=4, fixed_shape=True).start()
     try:

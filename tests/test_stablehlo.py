@@ -1,4 +1,4 @@
-"""`shipyard export stablehlo` and the artifact runner: the same tokens as the Generator, in a process
+"""`shipyard export stablehlo` and the artifact runner: the same tokens as the generation engine, in a process
 that never imports the model code; versions checked, outputs never half written."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from engine_fixtures import complete, generate
 from hf_fixtures import write_bpe
 from model_fixtures import noisy_params
 
@@ -19,8 +20,8 @@ from shipyard.cli.main import main
 from shipyard.config import load_config
 from shipyard.errors import ConfigError, RunDirError
 from shipyard.inference.artifact import Artifact, is_artifact
+from shipyard.inference.engine import Engine
 from shipyard.inference.export import portable_config
-from shipyard.inference.generate import Generator
 from shipyard.interop.hf import write_hf_dir
 from shipyard.run.model_dir import open_model_dir
 
@@ -33,7 +34,7 @@ TEXTS = ["the model reads", "def", "a token and writes the next one", "upper low
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """{hf: a small random Hugging Face directory with a BPE tokenizer, art: its artifact, params, cfg,
-    greedy: the Generator's 12 greedy tokens for PROMPTS}."""
+    gen: an engine over the same params, greedy: its 12 greedy tokens for PROMPTS}."""
     root = tmp_path_factory.mktemp("stablehlo")
     cfg = load_config("tiny", ["model.vocab_size=320", "model.max_seq_len=64", "data.seq_len=64"]).model
     params = noisy_params(cfg, key=2, seed=1, scale=0.2)
@@ -44,8 +45,8 @@ def model(tmp_path_factory):
         == 0
     )
     params = open_model_dir(root / "hf", "test").load().params  # what `shipyard generate` runs
-    gen = Generator(params, cfg)
-    return {"hf": root / "hf", "art": art, "gen": gen, "greedy": gen(PROMPTS, 12)}
+    gen = Engine(params, cfg, max_batch=len(PROMPTS), max_len=48)
+    return {"hf": root / "hf", "art": art, "gen": gen, "greedy": complete(gen, PROMPTS, 12)}
 
 
 def test_the_artifact_generates_the_generators_tokens(model):
@@ -53,10 +54,12 @@ def test_the_artifact_generates_the_generators_tokens(model):
     assert art.batch == BATCH and art.max_len == 48
     assert art.generate(PROMPTS, 12) == greedy
     assert art.generate(PROMPTS[2:3], 12) == greedy[2:3]  # one prompt, one dummy row
-    # sampling settings are inputs of the programs: the same seed and batch give the Generator's draws
+    # sampling settings are inputs of the programs and their picker is the engine's: the same seed gives
+    # the engine's draws, whatever the batch (three calls of the artifact, one engine batch)
     sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
-    sampled = art.generate(PROMPTS[:2], 12, **sampling)
-    assert sampled == gen(PROMPTS[:2], 12, **sampling) != greedy[:2]
+    sampled = art.generate(PROMPTS, 12, **sampling)
+    assert sampled == complete(gen, PROMPTS, 12, **sampling)
+    assert sampled[:2] != greedy[:2]
     everything = {"temperature": 1.0, "seed": 4}  # top_k / top_p unset keep every token
     assert art.generate(PROMPTS, 12, **everything) == art.generate(PROMPTS, 12, top_k=320, **everything)
     stop_at = greedy[2][3]
@@ -67,7 +70,7 @@ def test_the_artifact_generates_the_generators_tokens(model):
 
 def test_a_mixture_of_experts_model_exports_too(tmp_path, capsys):
     """MoE experts run as ragged_dot in the artifact (shape-polymorphic, the GPU's grouped matmul), the
-    Generator's CPU path runs them blocked: the same tokens. Capacity routing is refused."""
+    engine's CPU path runs them blocked: the same tokens. Capacity routing is refused."""
     overrides = ["model.vocab_size=320", "model.moe.num_shared_experts=0", "model.moe.first_dense_layers=0"]
     cfg = load_config("moe-tiny", overrides).model
     params = jax.tree_util.tree_map_with_path(  # Mixtral routing has no selection bias
@@ -77,7 +80,7 @@ def test_a_mixture_of_experts_model_exports_too(tmp_path, capsys):
     write_hf_dir(params, cfg, tmp_path / "hf", write_bpe(tmp_path / "tok"))
     assert main(["export", "stablehlo", str(tmp_path / "hf"), str(tmp_path / "art"), "--max-len", "32"]) == 0
     params = open_model_dir(tmp_path / "hf", "test").load().params
-    assert Artifact(tmp_path / "art").generate(PROMPTS[:3], 8) == Generator(params, cfg)(PROMPTS[:3], 8)
+    assert Artifact(tmp_path / "art").generate(PROMPTS[:3], 8) == generate(params, cfg, PROMPTS[:3], 8)
     capacity = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"capacity_factor": 1.5})})
     with pytest.raises(ConfigError, match="capacity_factor=1.5"):
         portable_config(capacity)
@@ -90,7 +93,7 @@ from shipyard.inference.artifact import Artifact
 from shipyard.cli.main import main
 tokens = Artifact({str(model["art"])!r}).generate({PROMPTS!r}, 12)
 assert main(["generate", {str(model["art"])!r}, "--prompt", "the model", "--max-new-tokens", "4"]) == 0
-loaded = [m for m in ("shipyard.model", "shipyard.inference.decode", "shipyard.inference.generate",
+loaded = [m for m in ("shipyard.model", "shipyard.inference.decode", "shipyard.inference.engine",
                       "shipyard.train", "shipyard.run.model_dir", "shipyard.interop") if m in sys.modules]
 print(json.dumps({{"tokens": tokens, "loaded": loaded}}))
 """
@@ -105,7 +108,7 @@ print(json.dumps({{"tokens": tokens, "loaded": loaded}}))
     "key, value, named",
     [
         ("jax_version", "0.4.1", ["JAX version 0.4.1", jax.__version__]),
-        ("format_version", 99, ["format version 99", "runner's 1"]),
+        ("format_version", 99, ["format version 99", "runner's 2"]),
         ("stablehlo_version", "99.0.0", ["StableHLO version 99.0.0"]),
         ("calling_convention_version", 1, ["calling convention version 1"]),
     ],

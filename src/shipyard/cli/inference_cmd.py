@@ -6,17 +6,21 @@ from shipyard.cli.args import add_model_dir, add_quantize_flags, add_sampling_fl
 from shipyard.errors import ConfigError
 
 
-def _sampling(args, gen, temperature: float, top_k: int | None, top_p: float | None) -> dict:
-    """Sampling settings: each flag, else the model's generation_config.json, else the default given."""
+def _sampling(args, gen, defaults, stop_ids=()):
+    """The command's Sampling: each flag, else the model's generation_config.json, else `defaults`
+    (`inference.sampling.resolve_sampling`, the rule serve follows too)."""
+    from shipyard.inference.sampling import resolve_sampling
 
-    def pick(flag, model, default):
-        return flag if flag is not None else (model if model is not None else default)
-
-    return {
-        "temperature": pick(args.temperature, gen.temperature, temperature),
-        "top_k": pick(args.top_k, gen.top_k or None, top_k),
-        "top_p": pick(args.top_p, gen.top_p, top_p),
-    }
+    return resolve_sampling(
+        defaults,
+        gen,
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_ids=stop_ids,
+    )
 
 
 def _check_context(prompts: list[list[int]], max_new_tokens: int, context: int, what: str) -> None:
@@ -34,7 +38,8 @@ def _cmd_generate(args) -> int:
     if is_artifact(args.run_dir):  # `shipyard export stablehlo` output: its own programs, no model built
         return _generate_from_artifact(args)
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
-    from shipyard.inference.generate import Generator
+    from shipyard.inference.engine import engine_for
+    from shipyard.inference.sampling import GENERATE
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import open_model_dir
 
@@ -52,14 +57,9 @@ def _cmd_generate(args) -> int:
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens, skip_special_tokens=False)
 
-    outs = Generator(params, cfg.model, kv_dtype=args.kv_dtype)(
-        prompts,
-        args.max_new_tokens,
-        **_sampling(args, gen, 0.0, None, None),
-        seed=args.seed,
-        stop_ids=stop_ids,
-        stop=_text_stop(decode, args.stop),
-    )
+    engine = engine_for(params, cfg.model, prompts, args.max_new_tokens, kv_dtype=args.kv_dtype)
+    sampling = _sampling(args, gen, GENERATE, stop_ids)
+    outs = [list(c.tokens) for c in engine.generate(prompts, sampling, stop=_text_stop(decode, args.stop))]
     _print_completions(args.prompt, outs, decode, stop_ids, args.stop)
     return 0
 
@@ -89,6 +89,7 @@ def _generate_from_artifact(args) -> int:
     from types import SimpleNamespace
 
     from shipyard.inference.artifact import Artifact
+    from shipyard.inference.sampling import GENERATE
 
     for flag in ("step", "tokenizer", "quantize", "kv_dtype"):  # chosen at export, fixed in the artifact
         if getattr(args, flag, None) is not None:
@@ -100,11 +101,14 @@ def _generate_from_artifact(args) -> int:
     prompts = [art.encode(p) for p in args.prompt]
     # the model's generation_config.json settings, recorded at export
     gen = SimpleNamespace(**art.manifest["sampling"])
+    s = _sampling(args, gen, GENERATE)
     outs = art.generate(
         prompts,
-        args.max_new_tokens,
-        **_sampling(args, gen, 0.0, None, None),
-        seed=args.seed,
+        s.max_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
         stop_ids=art.stop_ids,
         stop=_text_stop(art.decode_text, args.stop),
     )
@@ -114,23 +118,34 @@ def _generate_from_artifact(args) -> int:
 
 def _cmd_chat(args) -> int:
     from shipyard.inference.chat import load_chat_model, run_chat
+    from shipyard.inference.sampling import CHAT
     from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(args.run_dir, "chat", args.tokenizer)
     gen = model_dir.generation("chat")
-    model = load_chat_model(
-        model_dir, args.step, args.template, quantize=args.quantize, kv_dtype=args.kv_dtype
+    model = load_chat_model(  # one conversation: one cache row
+        model_dir, args.step, args.template, quantize=args.quantize, kv_dtype=args.kv_dtype, max_batch=1
     )
-    sampling = _sampling(args, gen, 0.7, 50, 0.95)
-    return run_chat(model, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
+    return run_chat(model, _sampling(args, gen, CHAT), system=args.system)
+
+
+def _described(d) -> tuple[str, str, str]:
+    """How the --temperature / --top-k / --top-p help texts name an entry point's defaults."""
+    return (
+        f"{d.temperature:g}" + (" (greedy)" if d.temperature == 0 else ""),
+        f"{d.top_k}" if d.top_k else "all tokens",
+        f"{d.top_p:g}",
+    )
 
 
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
+    from shipyard.inference.sampling import CHAT, GENERATE  # (no JAX: the defaults only)
+
     ge = sub.add_parser("generate", help="complete prompts with a model (KV cache, batched)")
     add_model_dir(ge)
     ge.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    add_sampling_flags(ge, 64, ("0 (greedy)", "all tokens", "1"))
+    add_sampling_flags(ge, GENERATE.max_tokens, _described(GENERATE))
     ge.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     add_quantize_flags(ge)
     ge.set_defaults(func=_cmd_generate)
@@ -138,7 +153,7 @@ def register(sub) -> None:
     ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed replies)")
     add_model_dir(ch)
     ch.add_argument("--system", default=None, help="system message for the conversation")
-    add_sampling_flags(ch, 256, ("0.7", "50", "0.95"))
+    add_sampling_flags(ch, CHAT.max_tokens, _described(CHAT))
     add_template_flag(ch, "chat template (default: the one the run trained with)")
     add_quantize_flags(ch)
     ch.set_defaults(func=_cmd_chat)

@@ -44,8 +44,9 @@ Request handling:
   cut into disjoint windows of `max_length` predictions, each window with as
   much preceding context as fits (lm-eval's rolling-window definition); every
   token is predicted once.
-- `generate_until`: shipyard's `Generator` (KV cache, compiled once per
-  shape), greedy unless the task sets `do_sample` with a temperature; stops at
+- `generate_until`: shipyard's continuous-batching `Engine` (every request
+  of a gen_kwargs group submitted at once, `batch_size` decoded together),
+  greedy unless the task sets `do_sample` with a temperature; stops at
   EOS, at any `until` string (the text is cut before it), or after
   `max_gen_toks` tokens; the prompt keeps its last `max_length - max_gen_toks`
   tokens.
@@ -120,12 +121,15 @@ class ShipyardLM(TemplateLM):
         max_length: int | None = None,
         max_gen_toks: int = 256,
         seed: int = 0,
+        engine=None,
     ) -> ShipyardLM:
         """The model around params already in memory (e.g. during training); `tokenizer` is a
-        tokenizer.json or its directory. Pass it to `lm_eval.simple_evaluate(model=...)`."""
+        tokenizer.json or its directory. Pass it to `lm_eval.simple_evaluate(model=...)`. `engine`: an
+        `inference.engine.Engine` over the same params for generate_until to share (e.g. a server's)."""
         self = cls.__new__(cls)
         TemplateLM.__init__(self)
         self._setup(params, model_cfg, Path(tokenizer), batch_size, max_length, max_gen_toks, seed)
+        self._engine = engine
         self.run_dir, self.step = None, None
         return self
 
@@ -152,7 +156,7 @@ class ShipyardLM(TemplateLM):
             )
         self.max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
-        self._generator = None
+        self._engine = None
 
     # -------------------------------------------------------------------- construction from lm-eval
 
@@ -265,54 +269,63 @@ class ShipyardLM(TemplateLM):
     # -------------------------------------------------------------------- generation
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = [text for text, _ in self.completions(requests, disable_tqdm=disable_tqdm)]
+        for r, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", r.args, text)
+        return out
+
+    def completions(self, requests, *, logprobs: bool = False, disable_tqdm: bool = True) -> list[tuple]:
+        """(text, `inference.engine.Completion`) per generate_until request: the text is what
+        generate_until answers (EOS dropped, cut before the first `until` string). Requests with the
+        same gen_kwargs go to the engine together, which decodes `batch_size` of them at a time."""
         from tqdm import tqdm
 
-        from shipyard.inference.generate import Generator
+        from shipyard.inference.sampling import GENERATE, resolve_sampling
 
-        if self._generator is None:
-            self._generator = Generator(self.params, self.cfg)
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
-        out: list[str | None] = [None] * len(requests)
+        out: list[tuple | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="shipyard generate_until", disable=disable_tqdm)
         for members in groups.values():
-            kwargs = dict(requests[members[0]].args[1] or {})
-            until, max_new, sampling = self._generation_settings(kwargs)
-            prompts = {}
-            for i in members:
-                ids = self.tok_encode(requests[i].args[0]) or [self._prefix]
-                prompts[i] = ids[-(self.max_length - max_new) :]
-            members = sorted(members, key=lambda i: -len(prompts[i]))
-            for b in range(0, len(members), self.batch_size):
-                rows = members[b : b + self.batch_size]
-                batch = [prompts[i] for i in rows]
-                # a fixed batch shape: fill with copies of the last prompt (their outputs are dropped)
-                batch += [batch[-1]] * (self.batch_size - len(batch))
+            until, max_new, settings = self._generation_settings(dict(requests[members[0]].args[1] or {}))
+            # the task's settings, else greedy: lm-eval's gen_kwargs are the whole recipe (a model's
+            # generation_config.json would make scores depend on who exported it)
+            sampling = resolve_sampling(
+                GENERATE,
+                max_tokens=max_new,
+                seed=self.seed,
+                stop_ids=(self._eos,),
+                logprobs=logprobs,
+                **settings,
+            )
+            prompts = [
+                (self.tok_encode(requests[i].args[0]) or [self._prefix])[-(self.max_length - max_new) :]
+                for i in members
+            ]
 
-                def stop(tokens: list[int], until=until) -> bool:
-                    return bool(until) and any(s in self.tok_decode(tokens) for s in until)
+            def stop(tokens: list[int], until=until) -> bool:
+                return bool(until) and any(s in self.tok_decode(tokens) for s in until)
 
-                gens = self._generator(
-                    batch,
-                    max_new,
-                    stop_ids=(self._eos,),
-                    stop=stop,
-                    seed=self.seed,
-                    pad_multiple=64,
-                    **sampling,
-                )
-                for i, tokens in zip(rows, gens):
-                    text = self.tok_decode([t for t in tokens if t != self._eos])
-                    cuts = [text.find(s) for s in until if s and s in text]
-                    out[i] = text[: min(cuts)] if cuts else text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
-                bar.update(len(rows))
+            for i, done in zip(members, self.engine().generate(prompts, sampling, stop=stop)):
+                text = self.tok_decode([t for t in done.tokens if t != self._eos])
+                cuts = [text.find(s) for s in until if s and s in text]
+                out[i] = (text[: min(cuts)] if cuts else text, done)
+            bar.update(len(members))
         bar.close()
         return out
 
+    def engine(self):
+        """The `inference.engine.Engine` generate_until runs on: `batch_size` rows over `max_length`
+        slots, built at first use unless one was given (`from_params(..., engine=)`)."""
+        if self._engine is None:
+            from shipyard.inference.engine import Engine
+
+            self._engine = Engine(self.params, self.cfg, max_batch=self.batch_size, max_len=self.max_length)
+        return self._engine
+
     def _generation_settings(self, kwargs: dict) -> tuple[list[str], int, dict]:
-        """(stop strings, new-token budget, sampling keywords for Generator) from a task's gen_kwargs."""
+        """(stop strings, new-token budget, sampling settings the task sets) from its gen_kwargs."""
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(kwargs.get("max_gen_toks", kwargs.get("max_new_tokens", self.max_gen_toks)))

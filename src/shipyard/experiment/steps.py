@@ -164,11 +164,9 @@ def _export_hf(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
 
 def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
-    import jax
-    import jax.numpy as jnp
-
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.inference.generate import Generator
+    from shipyard.inference.engine import engine_for
+    from shipyard.inference.sampling import GENERATE, resolve_sampling
     from shipyard.run.model_dir import open_model_dir
 
     (run,) = _need("generate", inputs, "run")
@@ -177,9 +175,12 @@ def _generate(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     tok = load_tokenizer(model_dir.require_tokenizer("generate"))
     prompt = str(config.get("prompt", "def "))
     ids = tok.encode(prompt).ids
-    generator = Generator(jax.tree.map(jnp.asarray, params), cfg.model)
-    new = generator([ids], int(config.get("max_new_tokens", 48)))[0]
-    text = tok.decode(new)
+    # `shipyard generate`'s rule and defaults (greedy), so the sample is the command's output
+    sampling = resolve_sampling(
+        GENERATE, model_dir.generation("generate"), max_tokens=int(config.get("max_new_tokens", 48))
+    )
+    (done,) = engine_for(params, cfg.model, [ids], sampling.max_tokens).generate([ids], sampling)
+    text = tok.decode(list(done.tokens))
     out.mkdir(parents=True)
     (out / "sample.json").write_text(json.dumps({"prompt": prompt, "completion": text}, indent=2) + "\n")
     return {"prompt": prompt, "completion": text}

@@ -4,7 +4,8 @@ An artifact directory holds two serialized `jax.export` programs, the
 weights they take as arguments, the tokenizer and `manifest.json`:
 
 - `prefill.stablehlo`: (weights, tokens [batch, p], start [batch], seed,
-  temperature, top_k, top_p) -> (first new token [batch], k, v, key). The
+  temperature, top_k, top_p) -> (first new token [batch], k, v, key [batch]:
+  every row keyed by `seed`, as an engine request with that seed is). The
   prompts are left-padded to a common length p (any 1 <= p <= max_len: the
   prompt length is a symbolic dimension); `start[b]` is row b's number of pad
   slots. It fills a fresh cache of max_len slots.
@@ -35,8 +36,9 @@ from shipyard.errors import ConfigError, DataError
 
 FORMAT = "shipyard-stablehlo"
 """manifest.json's "format": what tells an artifact from any other directory with a manifest."""
-FORMAT_VERSION = 1
-"""The layout of the directory and the programs' signatures; a runner reads only its own version."""
+FORMAT_VERSION = 2
+"""The layout of the directory and the programs' signatures; a runner reads only its own version.
+(2: a PRNG key per row, where 1 had one key for the whole batch.)"""
 MANIFEST, PREFILL, DECODE, WEIGHTS, TOKENIZER = (
     "manifest.json",
     "prefill.stablehlo",
@@ -232,16 +234,15 @@ class Artifact:
         pad_multiple: int = 16,
         what: str = "generate",
     ) -> list[list[int]]:
-        """New tokens per prompt, as `inference.generate.Generator` gives them: a row ends at a stop id
-        (kept) or when `stop(tokens)` says so. The prompts run `batch` at a time; call i is seeded with
-        seed + i. The padded prompt length is rounded up to `pad_multiple` (while the cache allows):
+        """New tokens per prompt, as `inference.engine.Engine.generate` gives them: a row ends at a stop id
+        (kept) or when `stop(tokens)` says so. The prompts run `batch` at a time, every one seeded with
+        `seed` (as each engine request is, so a prompt's reply does not depend on its batch). The padded prompt length is rounded up to `pad_multiple` (while the cache allows):
         each new prompt length compiles the prefill once more, so nearby lengths share one."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple must be at least 1, got {pad_multiple}")
-        calls = -(-len(prompts) // self.batch)
-        if not -(2**31) <= seed <= 2**31 - calls:  # the programs take an int32 seed, seed + i for call i
+        if not -(2**31) <= seed < 2**31:  # the programs take an int32 seed
             raise ConfigError(f"{what}: --seed {seed}: expected a 32-bit integer")
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
@@ -258,13 +259,13 @@ class Artifact:
             rows = prompts[i : i + self.batch]
             P = -(-max(len(p) for p in rows) // pad_multiple) * pad_multiple
             P = min(P, self.max_len - max_new_tokens)
-            out += self._run_batch(rows, P, max_new_tokens, sampling, seed + i // self.batch, stop_ids, stop)
+            out += self._run_batch(rows, P, max_new_tokens, sampling, seed, stop_ids, stop)
         return out
 
     def _run_batch(self, prompts, P, max_new_tokens, sampling, seed, stop_ids, stop) -> list[list[int]]:
         """At most `batch` prompts, left-padded to length P; rows past them are dummies (one pad token)
         that start out done. The next decode call is queued before the host reads the previous one's
-        tokens, as the Generator does."""
+        tokens, as the engine does."""
         n, B = len(prompts), self.batch
         tokens = np.full((B, P), self.eos_id, np.int32)
         start = np.full(B, P - 1, np.int32)

@@ -2,7 +2,7 @@
 
 On CPU a decode step is a handful of [batch, in] x [in, out] products with a
 tiny batch, bound by reading the weights from memory. This step reads weights
-prepared once per Generator (`prepare_weights`: q|k|v and gate|up fused, so a
+prepared once per Engine (`prepare_weights`: q|k|v and gate|up fused, so a
 layer is four matmuls), with layers unrolled (no per-step slicing of stacked
 weights), and keeps one cache per layer in `attention.HEAD_MAJOR` layout, so
 both attention products are plain batched matmuls over the cache, updated in

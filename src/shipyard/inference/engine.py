@@ -45,34 +45,13 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
-from shipyard.inference.generate import decode_compiler_options, default_kv_dtype
-from shipyard.inference.sampling import MIN_TEMPERATURE, filter_logits
+from shipyard.inference.sampling import Sampling, pick_tokens
+from shipyard.model import quant
 
 log = logging.getLogger(__name__)
 
 TOP_LOGPROBS = 5
 """Alternatives reported per generated token (OpenAI's completions API allows up to 5)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How one request picks its tokens."""
-
-    max_tokens: int
-    """New tokens to generate at most (the prompt plus these must fit `max_len`)."""
-    temperature: float = 0.0
-    """0 is greedy (argmax); otherwise logits are divided by it before sampling."""
-    top_k: int = 0
-    """Sample among the k most likely tokens; 0 means all."""
-    top_p: float = 1.0
-    """Sample among the smallest set of most likely tokens whose probability reaches p."""
-    seed: int = 0
-    """PRNG seed of this request alone: the same seed gives the same reply, whatever else runs."""
-    stop_ids: tuple[int, ...] = ()
-    """Token ids that end the reply (kept in the output; the caller decides whether to show them)."""
-    logprobs: bool = False
-    """Report each token's log-probability and the best alternatives (otherwise `on_tokens` gets None
-    for each: a decode call computes them only when some request in it asks)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,6 +72,51 @@ class Request:
         self.cancelled = True
 
 
+def decode_compiler_options(params=None) -> dict[str, str] | None:
+    """XLA options for the decode step: on CPU, no YNNPACK fusions (but its dots for int8 `params`).
+
+    cpu_tuning turns YNNPACK dot and elementwise fusions on, which pays off
+    for large matrices (training, and the prefill here). A decode step
+    multiplies a few rows by each weight matrix, and there the YNNPACK calls
+    cost more than they save (forward_cached's decode step for the `small`
+    model on 2 cores: about 12-14 ms with them, 8-11 ms without). int8
+    weights (`model.quant`) are the exception: XLA's own int8 dot is a slow
+    generic loop, YNNPACK's reads the int8 weights at close to memory speed.
+    """
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": QUANTIZED_DECODE_YNN if is_quantized_tree(params) else ""}
+
+
+QUANTIZED_DECODE_YNN = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+"""YNNPACK fusions of the int8 decode step (see `decode_compiler_options`)."""
+
+
+def is_quantized_tree(params) -> bool:
+    """Whether any weight in `params` is an int8 `quant.QuantizedMatrix`."""
+    leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
+    return any(quant.is_quantized(leaf) for leaf in leaves)
+
+
+def default_kv_dtype(params):
+    """The KV cache dtype when none is asked for: the embedding's, fp32 for a quantized one."""
+    embed = params.embed
+    return jnp.float32 if quant.is_quantized(embed) else jnp.asarray(embed).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """What `Engine.generate` returns for one prompt."""
+
+    tokens: tuple[int, ...]
+    """The new tokens (a stop id that ended the reply included)."""
+    logprobs: tuple[float, ...] | None
+    """log p of each new token under the model (before temperature and filters), when the request's
+    Sampling asked for logprobs; else None."""
+    finish: str
+    """Why it ended: "stop" (a stop id or the caller's `stop`) or "length" (max_tokens)."""
+
+
 class Rows(NamedTuple):
     """Per-slot decode state on the device, [max_batch] each."""
 
@@ -107,28 +131,6 @@ class Rows(NamedTuple):
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-
-
-def sample_rows(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
-    """One token per row of logits [batch, vocab] with per-row settings: (tokens [batch], keys [batch]).
-
-    Greedy rows (temperature 0) take the argmax and leave their key alone. The
-    top-k / top-p filter sorts the vocabulary, so it runs only when some row
-    asks for it.
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
-
-        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
-        split = jax.vmap(jax.random.split)(key)
-        picks = jax.vmap(jax.random.categorical)(split[:, 1], scaled).astype(jnp.int32)
-        hot = temperature > 0
-        return jnp.where(hot, picks, greedy), jnp.where(hot, split[:, 0], key)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: (greedy, key), None)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int = TOP_LOGPROBS):
@@ -146,7 +148,7 @@ def _no_logprobs(logits, tokens, top: int = TOP_LOGPROBS):
 
 
 def _decode_steps(
-    weights, rows: Rows, caches, want_logprobs, *, forward, chunk, n_rows: int, span: int, axes
+    weights, rows: Rows, caches, want_logprobs, *, forward, chunk, n_rows: int, span: int, axes, plain=False
 ):
     """`chunk` decode steps for the first `n_rows` rows over the first `span` cache slots:
     (tokens [chunk, n_rows], logprobs, rows, caches).
@@ -156,12 +158,16 @@ def _decode_steps(
     slots), written back in place afterwards: a decode step reads every cached
     key it covers, and with few short requests in a long, wide cache most of it
     would be idle rows and empty slots. `axes` gives each cache array's (row,
-    slot) axes by its field name ("k" or "v").
+    slot) axes by its field name ("k" or "v"). `plain` (static): every row is
+    greedy and none wants log-probs, so each step is the argmax alone (see
+    `Engine._tick`).
     """
     full_rows, full_caches = rows, caches
     rows = jax.tree.map(lambda x: x[:n_rows], rows)
     caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
-    out, rows, caches = _steps(weights, rows, caches, want_logprobs, forward=forward, chunk=chunk, span=span)
+    out, rows, caches = _steps(
+        weights, rows, caches, want_logprobs, forward=forward, chunk=chunk, span=span, plain=plain
+    )
     rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
     caches = _map_cache(
         lambda name, full, part: jax.lax.dynamic_update_slice(full, part, [0] * full.ndim),
@@ -184,15 +190,20 @@ def _map_cache(fn, caches, *others):
     return jax.tree.unflatten(treedef, out)
 
 
-def _steps(weights, rows: Rows, caches, want_logprobs, *, forward, chunk: int, span: int):
+def _steps(weights, rows: Rows, caches, want_logprobs, *, forward, chunk: int, span: int, plain: bool):
     B = rows.last.shape[0]
 
     def body(i, carry):
         out, rows, caches = carry
         logits, caches = forward(weights, rows.last[:, None], caches, rows.pos, rows.start)
         logits = logits[:, -1]
-        tokens, key = sample_rows(logits, rows.key, rows.temperature, rows.top_k, rows.top_p)
-        chosen, best, ids = jax.lax.cond(want_logprobs, token_logprobs, _no_logprobs, logits, tokens)
+        tokens, key = pick_tokens(
+            logits, rows.key, rows.temperature, rows.top_k, rows.top_p, may_sample=not plain
+        )
+        if plain:  # no sampling and no log-prob branch in the program
+            chosen, best, ids = _no_logprobs(logits, tokens)
+        else:
+            chosen, best, ids = jax.lax.cond(want_logprobs, token_logprobs, _no_logprobs, logits, tokens)
         out = jax.tree.map(lambda o, x: o.at[i].set(x), out, (tokens, chosen, best, ids))
         # a row past its end (it has finished; the host ignores it) keeps overwriting its last slot
         rows = rows._replace(last=tokens, pos=jnp.minimum(rows.pos + 1, span - 1), key=key)
@@ -214,7 +225,7 @@ def _admit(
     caches,
     tokens,
     start,
-    slot,
+    slots,
     settings,
     *,
     cfg,
@@ -222,31 +233,31 @@ def _admit(
     kv_dtype,
     to_decode,
     batch_axis,
+    plain=False,
 ):
-    """Prefill one prompt (tokens [1, P], left-padded by `start`) and write it into row `slot`.
+    """Prefill n prompts (tokens [n, P], row i left-padded by start[i]) and write row i into cache row
+    slots[i] (a slot of max_batch or more is dropped: the padding rows of a group).
 
-    Returns (first token, its logprobs, rows, caches). `settings` is
-    (temperature, top_k, top_p, key) of the request.
+    Returns (first tokens [n], their logprobs, rows, caches). `settings` is (temperature, top_k,
+    top_p, key), each [n], of the requests. `plain` (static): every request is greedy and none wants
+    log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
     """
     temperature, top_k, top_p, key = settings
-    cache = init_cache(cfg, 1, max_len, kv_dtype)
+    cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
     logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
     logits = logits[:, -1]
-    t, k, p = temperature[None], top_k[None], top_p[None]
-    token, key = sample_rows(logits, key[None], t, k, p)
-    logprobs = token_logprobs(logits, token)
-    one = to_decode(cache)
+    token, key = pick_tokens(logits, key, temperature, top_k, top_p, may_sample=not plain)
+    logprobs = _no_logprobs(logits, token) if plain else token_logprobs(logits, token)
+    at = (slice(None),) * batch_axis + (slots,)
     caches = jax.tree.map(
-        lambda all_rows, row: jax.lax.dynamic_update_slice_in_dim(
-            all_rows, row.astype(all_rows.dtype), slot, batch_axis
-        ),
+        lambda all_rows, new: all_rows.at[at].set(new.astype(all_rows.dtype), mode="drop"),
         caches,
-        one,
+        to_decode(cache),
     )
-    P = tokens.shape[1]
-    new = (token[0], jnp.int32(P), start[0], key[0], temperature, top_k, top_p)
-    rows = Rows(*(field.at[slot].set(value) for field, value in zip(rows, new)))
-    return token[0], jax.tree.map(lambda x: x[0], logprobs), rows, caches
+    P = jnp.full(tokens.shape[0], tokens.shape[1], jnp.int32)
+    new = (token, P, start, key, temperature, top_k, top_p)
+    rows = Rows(*(field.at[slots].set(value, mode="drop") for field, value in zip(rows, new)))
+    return token, logprobs, rows, caches
 
 
 def prompt_bucket(n: int, max_len: int) -> int:
@@ -280,17 +291,28 @@ class Engine:
         its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster
         for few or short requests, but a different row count or span is a different program whose
         float rounding may differ: a near-tie can then go the other way."""
+        if quant.is_quantized(params.embed):
+            # forward_cached and decode_step look tokens up with jnp.take, which needs an array
+            raise ValueError(
+                "Engine: an int8 embedding (quantize_params(..., embed=True)) is for the full forward "
+                "only; quantize with embed=False (the default) to generate"
+            )
         self.params = jax.tree.map(jnp.asarray, params)
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
-        if cpu_decode.supported(self.params, cfg):
-            self._weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
+        if cpu_decode.supported(self.params, cfg):  # (dense models on CPU)
+            # the weights the decode step reads: fused and unrolled once (`cpu_decode.prepare_weights`)
+            self.decode_weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
             forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
             axes = {"k": (0, 3), "v": (0, 2)}  # per-layer head-major caches: k [b, k, d, s], v [b, k, s, d]
         else:
-            self._weights = self.params
+            self.decode_weights = self.params
             forward, to_decode = partial(forward_cached, cfg=cfg), lambda cache: cache
             axes = {"k": (1, 2), "v": (1, 2)}  # KVCache [layers, batch, slots, kv_heads, head_dim]
         batch_axis = axes["k"][0]
+        self.kv_dtype = kv_dtype
+        """The KV cache's dtype (default: the embedding's, fp32 for int8 weights)."""
+        self.uses_cpu_decode = cpu_decode.supported(self.params, cfg)
+        """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
 
         def zeros():  # a buffer per field: each is donated to the decode call
@@ -308,11 +330,12 @@ class Engine:
                 batch_axis=batch_axis,
             ),
             donate_argnums=(1, 2),
+            static_argnames=("plain",),
         )
         self._decode = jax.jit(
             partial(_decode_steps, forward=forward, chunk=tokens_per_call, axes=axes),
             donate_argnums=(1, 2),
-            static_argnames=("n_rows", "span"),
+            static_argnames=("n_rows", "span", "plain"),
             compiler_options=decode_compiler_options(self.params),
         )
         self.tokens_per_call = tokens_per_call
@@ -321,6 +344,8 @@ class Engine:
         self._pending: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._in_flight = None  # (device outputs, the request in each slot when the call was queued)
+        self._driving = threading.Lock()  # one caller of `generate` drives an unstarted engine at a time
         self.error: BaseException | None = None
 
     # -- called from any thread -------------------------------------------------------------------
@@ -367,20 +392,29 @@ class Engine:
             raise RuntimeError("compile the engine before starting it")
         for n_rows, span in self.shapes():
             out, self._rows, self._caches = self._decode(
-                self._weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
+                self.decode_weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
             )
             jax.block_until_ready(out)
             if on_shape is not None:
                 on_shape()
         for P in self._prefill_buckets():
             tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
-            settings = (jnp.float32(0), jnp.int32(0), jnp.float32(1), jax.random.key(0))
+            settings = (
+                jnp.zeros(1),
+                jnp.zeros(1, jnp.int32),
+                jnp.ones(1),
+                jax.random.split(jax.random.key(0), 1),
+            )
             token, _, self._rows, self._caches = self._admit(
-                self.params, self._rows, self._caches, tokens, start, jnp.int32(0), settings
+                self.params, self._rows, self._caches, tokens, start, jnp.zeros(1, jnp.int32), settings
             )
             jax.block_until_ready(token)
             if on_shape is not None:
                 on_shape()
+
+    def decode_compilations(self) -> int:
+        """How many decode programs have been compiled so far (one per (rows, slots) shape used)."""
+        return self._decode._cache_size()
 
     def compilations(self) -> int:
         """How many programs `compile` builds."""
@@ -389,6 +423,102 @@ class Engine:
     def _prefill_buckets(self) -> list[int]:
         """The padded prompt lengths `compile` prepares (a prompt that only fits unpadded compiles its own)."""
         return sorted({prompt_bucket(n, self.max_len) for n in range(1, self.max_len)} - {self.max_len})
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling | Sequence[Sampling],
+        *,
+        stop: Callable[[list[int]], bool] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        timeout: float | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt (each its own request; `sampling` one for all or one per prompt) and
+        wait for them: the synchronous client that `shipyard generate`, `chat`, lm-eval and the
+        pipeline use. A single prompt is a batch of one.
+
+        A reply ends at a stop id (kept), at max_tokens, or at the first token after which
+        `stop(tokens so far)` is true (that token kept; finish "stop"). `on_token(i, token)` sees
+        every kept token of prompt i, in order, as it arrives. A started engine (`start`, as a
+        server runs it) gets the requests beside whatever else it is serving; an unstarted one runs
+        its loop in this thread until they are done. Raises RuntimeError if the engine failed or
+        stopped before they finished.
+        """
+        sampling = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling settings")
+        results: list[Completion | None] = [None] * len(prompts)
+        failures: list[BaseException] = []
+        done = threading.Event()
+        left = [len(prompts)]
+
+        def collect(i: int, s: Sampling) -> Request:
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            ended: list[str] = []  # "stop" once `stop` matched: later tokens are dropped
+
+            def on_tokens(new, new_logprobs, finish) -> None:
+                for t, lp in zip(new, new_logprobs):
+                    if ended:
+                        break
+                    tokens.append(t)
+                    if s.logprobs:
+                        logprobs.append(lp[0])
+                    try:
+                        if on_token is not None:
+                            on_token(i, t)
+                        if stop is not None and stop(tokens):
+                            ended.append("stop")
+                            request.cancel()
+                    except Exception as e:  # raised in the caller, not swallowed by the engine loop
+                        failures.append(e)
+                        ended.append("error")
+                        request.cancel()
+                if finish is not None:
+                    end = ended[0] if ended else finish
+                    results[i] = Completion(tuple(tokens), tuple(logprobs) if s.logprobs else None, end)
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+            request = Request(list(prompts[i]), s, on_tokens)
+            return request
+
+        requests = [collect(i, s) for i, s in enumerate(sampling)]
+        if not requests:
+            return []
+        if self._thread is not None:
+            for r in requests:
+                self.submit(r)
+            if not done.wait(timeout):
+                for r in requests:
+                    r.cancel()
+                raise TimeoutError(f"{left[0]} of {len(requests)} requests did not finish in {timeout} s")
+        else:
+            with self._driving:
+                for r in requests:
+                    self.submit(r)
+                self._drive(done)
+        if failures:
+            raise failures[0]
+        bad = [c.finish for c in results if c.finish in ("error", "cancelled")]
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {len(requests)} requests ended early ({bad[0]}): {self.error}")
+        return results
+
+    def _drive(self, done: threading.Event) -> None:
+        """Run the loop in this thread until `done` (an unstarted engine's `generate`)."""
+        try:
+            while not done.is_set():
+                self._admit_pending(block=False, group=True)
+                self._tick()
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            # what is still queued for the finished requests' rows is of no use: drop it so the next
+            # call starts with no stale delivery
+            self._in_flight = None
 
     def warmup(self) -> None:
         """Run one tiny request through the started engine (the smallest prefill and decode shape)."""
@@ -411,27 +541,40 @@ class Engine:
             self._drain_pending()
 
     def _loop(self) -> None:
-        in_flight = None  # (device outputs, the request in each slot when the call was queued)
         while not self._stopping.is_set():
-            self._admit_pending(block=in_flight is None and not any(self._slots))
-            if not any(self._slots) and in_flight is None:
-                continue
-            queued = None
-            if any(self._slots):
-                n_rows, span = self.shape()
-                want = any(r is not None and r.sampling.logprobs for r in self._slots[:n_rows])
-                out, self._rows, self._caches = self._decode(
-                    self._weights, self._rows, self._caches, np.bool_(want), n_rows=n_rows, span=span
-                )
-                queued = (out, list(self._slots[:n_rows]))
-                for b in range(n_rows):
-                    self._pos[b] = min(self._pos[b] + self.tokens_per_call, span - 1)
-            if in_flight is not None:
-                self._deliver(*in_flight)
-            in_flight = queued
+            self._admit_pending(block=self._in_flight is None and not any(self._slots))
+            self._tick()
         for r in self._slots:
             if r is not None and not r.finished:
                 self._finish(r, [], [], "cancelled")
+
+    def _tick(self) -> None:
+        """Queue a decode call for the busy rows, then deliver the previous call's tokens (so the device
+        computes the next chunk while the host hands out the last one)."""
+        queued = None
+        if any(self._slots):
+            n_rows, span = self.shape()
+            busy = [r for r in self._slots[:n_rows] if r is not None]
+            want = any(r.sampling.logprobs for r in busy)
+            # A started engine (a server) runs the general program, compiled ahead for every shape; the
+            # synchronous client (generate, chat, lm-eval) compiles what it needs, and for greedy rows
+            # without log-probs that is the argmax alone: half the compile time of the general step.
+            plain = self._thread is None and not want and all(r.sampling.temperature <= 0 for r in busy)
+            out, self._rows, self._caches = self._decode(
+                self.decode_weights,
+                self._rows,
+                self._caches,
+                np.bool_(want),
+                n_rows=n_rows,
+                span=span,
+                plain=plain,
+            )
+            queued = (out, list(self._slots[:n_rows]))
+            for b in range(n_rows):
+                self._pos[b] = min(self._pos[b] + self.tokens_per_call, span - 1)
+        if self._in_flight is not None:
+            self._deliver(*self._in_flight)
+        self._in_flight = queued
 
     def shape(self) -> tuple[int, int]:
         """(rows, cache slots) the next decode call covers: the smallest of `shapes` covering the highest
@@ -443,38 +586,76 @@ class Engine:
         n_rows = next(r for r in _sizes(1, self.max_batch) if r > max(busy))
         return n_rows, next(s for s in _sizes(64, self.max_len) if s >= reach or s == self.max_len)
 
-    def _admit_pending(self, block: bool) -> None:
-        """Prefill queued requests into free slots (waiting for one when `block` and nothing runs)."""
-        while None in self._slots:
+    def _admit_pending(self, block: bool, group: bool = False) -> None:
+        """Prefill queued requests into free slots (waiting for one when `block` and nothing runs).
+
+        Alone, each request is prefilled by itself: the prefill programs `compile` prepared. With
+        `group` (a caller's `generate` on an unstarted engine, which compiles as it goes), the
+        requests taken now that share a prompt bucket are prefilled in one call, their count rounded
+        up to a power of two (padding rows are dropped), so a batch of prompts costs one prefill.
+        """
+        taken: dict[int, list[Request]] = {}
+        free = self._slots.count(None)
+        while free:
             try:
                 request = self._pending.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                return
+                break
             block = False
             if request is None or request.cancelled:
                 if request is not None:
                     self._finish(request, [], [], "cancelled")
                 continue
-            self._start(request, self._slots.index(None))
+            free -= 1
+            if not group:
+                self._start([request])
+                continue
+            taken.setdefault(self._bucket(request), []).append(request)
+        for requests in taken.values():
+            self._start(requests)
 
-    def _start(self, request: Request, slot: int) -> None:
-        s = request.sampling
-        P = prompt_bucket(len(request.prompt), self.max_len - s.max_tokens)
-        P = max(P, len(request.prompt))
-        tokens = np.zeros((1, P), np.int32)
-        tokens[0, P - len(request.prompt) :] = request.prompt
-        settings = (
-            jnp.float32(s.temperature),
-            jnp.int32(s.top_k),
-            jnp.float32(s.top_p),
-            jax.random.key(s.seed),
+    def _bucket(self, request: Request) -> int:
+        """The padded prompt length a request is prefilled at."""
+        n = len(request.prompt)
+        return max(prompt_bucket(n, self.max_len - request.sampling.max_tokens), n)
+
+    def _start(self, requests: list[Request]) -> None:
+        """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens."""
+        P = self._bucket(requests[0])
+        n = 1 << (len(requests) - 1).bit_length()
+        tokens = np.zeros((n, P), np.int32)
+        start = np.full(n, P - 1, np.int32)
+        slots = np.full(n, self.max_batch, np.int32)  # out of range: dropped
+        temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+        seeds = np.zeros(n, np.int32)
+        free = [b for b, r in enumerate(self._slots) if r is None]
+        for i, (r, slot) in enumerate(zip(requests, free)):
+            s = r.sampling
+            start[i] = P - len(r.prompt)
+            tokens[i, start[i] :] = r.prompt
+            slots[i] = slot
+            temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed
+        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys)
+        plain = self._thread is None and all(
+            r.sampling.temperature <= 0 and not r.sampling.logprobs for r in requests
         )
-        start = jnp.asarray([P - len(request.prompt)], jnp.int32)
         token, logprobs, self._rows, self._caches = self._admit(
-            self.params, self._rows, self._caches, jnp.asarray(tokens), start, jnp.int32(slot), settings
+            self.params,
+            self._rows,
+            self._caches,
+            jnp.asarray(tokens),
+            jnp.asarray(start),
+            jnp.asarray(slots),
+            settings,
+            plain=plain,
         )
-        self._slots[slot], self._pos[slot] = request, P
-        self._take(request, [int(token)], [_host_logprobs(logprobs) if s.logprobs else None])
+        token = np.asarray(token).tolist()
+        host = [np.asarray(x) for x in logprobs] if any(r.sampling.logprobs for r in requests) else None
+        for i, (r, slot) in enumerate(zip(requests, free)):
+            self._slots[slot], self._pos[slot] = r, P
+            lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
+            self._take(r, [token[i]], [lp if r.sampling.logprobs else None])
 
     def _deliver(self, out, owners: Sequence[Request | None]) -> None:
         tokens, chosen, best, ids = (np.asarray(x) for x in out)
@@ -532,6 +713,19 @@ class Engine:
                 self._finish(request, [], [], "cancelled" if self.error is None else "error")
 
 
+def engine_for(
+    params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_tokens: int, **options
+) -> Engine:
+    """An engine sized for one batch of prompts: a row per prompt, and a cache just long enough for the
+    longest prompt's prefill bucket plus `max_tokens` (so a decode call covers no empty slots).
+    `options` go to `Engine` (kv_dtype, tokens_per_call, fixed_shape)."""
+    if not prompts:
+        raise ValueError("engine_for needs at least one prompt")
+    longest = max(prompt_bucket(len(p), cfg.max_seq_len) for p in prompts)
+    max_len = max(min(cfg.max_seq_len, longest + max_tokens), 1)
+    return Engine(params, cfg, max_batch=len(prompts), max_len=max_len, **options)
+
+
 def _sizes(smallest: int, largest: int) -> list[int]:
     """smallest, 4 x smallest, 16 x ... below `largest`, then `largest`: the sizes a decode call is
     compiled for. Steps of 4 keep the compilations few (each costs about a second) at the price of
@@ -540,11 +734,6 @@ def _sizes(smallest: int, largest: int) -> list[int]:
     while out[-1] * 4 < largest:
         out.append(out[-1] * 4)
     return [s for s in out if s < largest] + [largest]
-
-
-def _host_logprobs(logprobs) -> tuple[float, list[tuple[int, float]]]:
-    chosen, best, ids = (np.asarray(x) for x in logprobs)
-    return float(chosen), list(zip(ids.tolist(), best.tolist()))
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -1,13 +1,14 @@
 """`shipyard export stablehlo`: a model's prefill and decode steps as a deployable artifact.
 
-The two programs are what `inference.generate.Generator` runs, on the
+The two programs are what `inference.engine.Engine` runs for a batch, on the
 portable path (`decode.forward_cached`, not the CPU-specialised decode step,
 so one artifact runs on CPU and GPU): the prefill writes left-padded prompts
 into a fresh cache and chooses the first new token; the decode step feeds one
 token per row, `DECODE_CHUNK` steps per call in a loop on the device,
 choosing each next token there. Sampling settings are inputs, not constants,
 so one artifact serves greedy and sampled requests; the choice is the
-Generator's (`generate.sample`) computed with traced settings.
+engine's own picker (`sampling.pick_tokens`, traced into the programs at
+export), each row keyed by the seed as an engine request is.
 
 The weights are arguments, not constants baked into the program: they are
 stored once, as safetensors, next to the programs (`inference.artifact`
@@ -29,33 +30,14 @@ import shipyard
 from shipyard.errors import ConfigError
 from shipyard.inference import artifact
 from shipyard.inference.decode import KVCache, forward_cached, init_cache
-from shipyard.inference.sampling import MIN_TEMPERATURE, filter_logits
+from shipyard.inference.sampling import pick_tokens
 from shipyard.output import atomic_dir, refuse_existing, write_json
 
 DECODE_CHUNK = 8
-"""Decode steps per call, as the Generator's default `tokens_per_call`: one host dispatch per 8 tokens."""
+"""Decode steps per call, as the engine's default `tokens_per_call`: one host dispatch per 8 tokens."""
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 """The jax.export platform names; an artifact holds one lowering per platform it was exported for."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def choose(logits, key, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
-    """(next tokens [batch] int32, key for the step after) from last-position logits [batch, vocab].
-
-    Temperature 0 is greedy and leaves the key alone; otherwise the key is split
-    and the token sampled as the Generator samples it, so the same seed gives
-    the same tokens for the same batch. `cond` runs only the branch taken.
-    """
-
-    def greedy(key):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), key
-
-    def sampled(key):
-        key, sub = jax.random.split(key)
-        filtered = filter_logits(logits / jnp.maximum(temperature, MIN_TEMPERATURE), top_k, top_p)
-        return jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32), key
-
-    return jax.lax.cond(temperature > 0, sampled, greedy, key)
 
 
 def _prefill(weights, tokens, start, seed, temperature, top_k, top_p, *, unflatten, cfg, max_len):
@@ -63,8 +45,11 @@ def _prefill(weights, tokens, start, seed, temperature, top_k, top_p, *, unflatt
     params = unflatten(weights)
     cache = init_cache(cfg, tokens.shape[0], max_len, params.embed.dtype)
     logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
-    token, key = choose(logits[:, -1], jax.random.key(seed), temperature, top_k, top_p)
-    return token, cache.k, cache.v, jax.random.key_data(key)
+    # every row its own key from `seed`, as the engine seeds each request: row b of a call draws what
+    # a request with this seed would
+    keys = jax.vmap(jax.random.key)(jnp.full(tokens.shape[0], seed))
+    token, keys = pick_tokens(logits[:, -1], keys, temperature, top_k, top_p)
+    return token, cache.k, cache.v, jax.random.key_data(keys)
 
 
 def _decode(weights, token, k, v, pos, start, key, steps, temperature, top_k, top_p, *, unflatten, cfg):
@@ -76,7 +61,7 @@ def _decode(weights, token, k, v, pos, start, key, steps, temperature, top_k, to
     def body(i, carry):
         out, token, k, v, key = carry
         logits, cache = forward_cached(params, token[:, None], KVCache(k, v), pos + i, start, cfg)
-        token, key = choose(logits[:, -1], key, temperature, top_k, top_p)
+        token, key = pick_tokens(logits[:, -1], key, temperature, top_k, top_p)
         return out.at[i].set(token), token, cache.k, cache.v, key
 
     out = jnp.zeros((DECODE_CHUNK, token.shape[0]), jnp.int32)

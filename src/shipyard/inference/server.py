@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from shipyard.inference.detokenize import IncrementalText
-from shipyard.inference.engine import Engine, Request, Sampling, prompt_logprobs
+from shipyard.inference.engine import Engine, Request, prompt_logprobs
 from shipyard.inference.openai_api import (
     ApiError,
     ChatRequest,
@@ -44,6 +44,7 @@ from shipyard.inference.openai_api import (
     TokenizeRequest,
     validation_message,
 )
+from shipyard.inference.sampling import API, Sampling, resolve_sampling
 
 log = logging.getLogger("shipyard.serve")
 
@@ -77,19 +78,17 @@ class Service:
 
 
 def _sampling(service: Service, body, max_tokens: int, stop_ids, logprobs: bool = False) -> Sampling:
-    d = service.defaults
-
-    def pick(value, default, fallback):
-        return value if value is not None else (default if default is not None else fallback)
-
-    top_k = pick(body.top_k, getattr(d, "top_k", None), 0)
-    return Sampling(
+    """The request's settings, else the model's generation_config.json, else OpenAI's defaults
+    (`sampling.resolve_sampling`, the rule `generate` and `chat` follow too)."""
+    return resolve_sampling(
+        API,
+        service.defaults,
         max_tokens=max_tokens,
-        temperature=float(pick(body.temperature, getattr(d, "temperature", None), 1.0)),
-        top_k=max(int(top_k), 0),
-        top_p=float(pick(body.top_p, getattr(d, "top_p", None), 1.0)),
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
         seed=body.seed if body.seed is not None else 0,
-        stop_ids=tuple(stop_ids),
+        stop_ids=stop_ids,
         logprobs=logprobs,
     )
 

@@ -19,7 +19,7 @@ model's output head). So `int8_dot` writes each activation row as two int8
 digits (hi + lo / 254, one dot over both: the weights are read once) and
 the only rounding left is the weights' own; a single digit (plain W8A8)
 measured twice the logit error. The decode step enables YNNPACK's dots for
-it (`inference.generate.decode_compiler_options`).
+it (`inference.engine.decode_compiler_options`).
 """
 
 from __future__ import annotations
