@@ -1,7 +1,8 @@
 """Signals through `shipyard launch`: a Ctrl-C in the terminal reaches the whole foreground process
 group; the cluster must treat it as one Ctrl-C (checkpoint, exit 0), not as two (each process hit by
 the terminal and again by the launcher's forwarding: stop at once, no checkpoint). And a launcher
-killed outright must not leave its processes running."""
+killed outright must not leave its processes running. A SIGTERM that reaches one process only stops
+the whole cluster at one step."""
 
 from __future__ import annotations
 
@@ -105,3 +106,35 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, byte_tokens):
         for pid in _trainers(run):
             os.kill(pid, signal.SIGKILL)
     assert not left, "the cluster's processes outlived their launcher"
+    # they went as SIGTERM asks: both saved the step they agreed on, then exited
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file()
+
+
+def _process_id(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"SHIPYARD_PROCESS_ID=")).split(b"=")[1])
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_stops_the_whole_cluster_at_one_step(tmp_path, byte_tokens):
+    """A scheduler may signal one host only. The cluster must still stop together: every process
+    saves the same step and exits 0 (a process that saved while the other stepped on would wait in
+    different collectives until the launcher gave up)."""
+    run = tmp_path / "one-sigterm"
+    proc = _start(tmp_path, run, byte_tokens)
+    try:
+        _wait_for_steps(run, proc, 2)
+        second = next(pid for pid in _trainers(run) if _process_id(pid) == 1)
+        os.kill(second, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in _trainers(run):
+                os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "one-sigterm.log").read_text()
+    assert code == 0, log[-2000:]
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file(), log[-2000:]
+    assert "SIGTERM received: saved checkpoint" in log, log[-2000:]

@@ -214,7 +214,7 @@ def _check_stop(proc, sig, out: str, run) -> None:
 
 _SECOND_CTRL_C = """
 import signal, threading, time
-from shipyard.train.loop import StopSignal
+from shipyard.train.stopping import StopSignal
 
 def ctrl_c(stop):
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -248,7 +248,7 @@ def test_second_ctrl_c_stops_at_once_with_130():
 
 _CTRL_C_DURING_THE_MESSAGE = """
 import os, signal, time
-from shipyard.train.loop import StopSignal
+from shipyard.train.stopping import StopSignal
 
 class Hurried(StopSignal):
     sent = False

@@ -76,3 +76,35 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+STOP_WAIT_MS = 3_600_000
+"""How long a process waits at a step boundary for the others (an evaluation or a save can sit
+between two boundaries); a dead peer is normally noticed sooner, by the launcher or the heartbeat."""
+
+
+def agreed_stop(step: int, signum: int | None) -> int | None:
+    """The signal the cluster stops on at step boundary `step` (None: go on), from each process's own
+    `signum` (the SIGTERM / SIGINT it received, or None). Every process must call this at every
+    boundary: a signal reaches processes at different moments, and one that saved while another
+    stepped on would wait in different collectives forever. Each process files its signal under
+    this step's key before a barrier and reads the keys after it, so all read the same set. One
+    barrier per step on the coordination service (about 0.5 ms on one host); one process: `signum`.
+    """
+    if jax.process_count() == 1:
+        return signum
+    client = _coordination_client()
+    prefix = f"shipyard/stop/{step}/"
+    if signum is not None:
+        client.key_value_set(f"{prefix}{jax.process_index()}", str(int(signum)))
+    client.wait_at_barrier("shipyard-stop", STOP_WAIT_MS)
+    filed = client.key_value_dir_get(prefix)
+    return max(int(value) for _, value in filed) if filed else None
+
+
+def _coordination_client():
+    """jax.distributed's key-value client. JAX has no public handle on it (Orbax reads the same
+    attribute); kept to this one place."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

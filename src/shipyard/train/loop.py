@@ -1,11 +1,10 @@
 """The train loop and its pieces: console lines, the step log (progress bar, throughput,
-metrics.jsonl, divergence), in-loop evaluation, the profiler window and the stop signal."""
+metrics.jsonl, divergence), in-loop evaluation and the profiler window; the stop signal is in
+train/stopping.py."""
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +16,12 @@ from tqdm import tqdm
 
 from shipyard.config import Config
 from shipyard.errors import TrainingDiverged
+from shipyard.parallel.distributed import agreed_stop
 from shipyard.run.checkpoint import Checkpointer
 from shipyard.train.metrics import MetricsWriter
 from shipyard.train.preference_loss import PreferenceSums, preference_metrics
 from shipyard.train.program import TrainProgram
-
-INTERRUPTED_EXIT = 130
-"""Exit status of a run stopped by a second Ctrl-C (128 + SIGINT, what shells report for it)."""
+from shipyard.train.stopping import StopSignal
 
 
 def say_on(main: bool, message: str) -> None:
@@ -201,58 +199,6 @@ class ProfileWindow:
             self.say(f"shipyard: profile of steps {self.steps[0]}-{self.steps[1]} in {self.directory}")
 
 
-class StopSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint at the next step boundary and exit cleanly (exit 0).
-
-    A second SIGINT (Ctrl-C again) stops the process at once with exit 130,
-    without waiting for the step, the checkpoint being written or any other
-    thread. That is os._exit, not KeyboardInterrupt: an exception would unwind
-    through the trainer's cleanup, which waits for the save in flight (not "at
-    once"), and could land inside Orbax's own code. Exiting is as safe for the
-    files as a SIGKILL: Orbax renames a checkpoint into place only once it is
-    complete, so an abandoned save is never taken as one, and --resume
-    continues from the newest complete checkpoint (tests/test_resume.py).
-    The lines are written with os.write: a handler may run while the main
-    thread is inside print().
-    """
-
-    def __init__(self, directory: Path | None = None):
-        self.received: int | None = None
-        self.directory = directory
-        self.main = jax.process_index() == 0  # the lines are for process 0's console only
-        self._previous: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        where = f" in {self.directory}" if self.directory is not None else ""
-        if self.received is not None and signum == signal.SIGINT:
-            self._say(
-                "shipyard: SIGINT again: stopped at once without saving; --resume continues from the "
-                f"newest complete checkpoint{where}"
-            )
-            os._exit(INTERRUPTED_EXIT)
-        first, self.received = self.received is None, signum
-        # Marked received before saying so: a second Ctrl-C can arrive while this handler is still
-        # writing, and Python runs that handler inside this one; it must see the first.
-        if first:
-            again = " (Ctrl-C again: stop at once without it)" if signum == signal.SIGINT else ""
-            name = signal.Signals(signum).name
-            self._say(f"shipyard: {name} received: saving a checkpoint after this step, then stopping{again}")
-
-    def _say(self, line: str) -> None:
-        if self.main:  # on a new line: a progress bar may be drawn on the current one
-            os.write(2, f"\n{line}\n".encode())
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 @dataclass(frozen=True)
 class LoopParts:
     """What the loop drives besides the state: the step, batches, eval, checkpoints, log, profiler."""
@@ -290,10 +236,13 @@ def run_loop(parts: LoopParts, state, start: int, steps: int) -> tuple[int, str]
             if pending is not None:
                 parts.log.finish(*pending)
             pending = (step, metrics, val_sums)
-            if stop.received is not None and done < steps:
+            # Every process asks at every boundary before the last, so a stop lands on one step for
+            # all: a process saving while another stepped on would wait in different collectives.
+            signum = agreed_stop(done, stop.received) if done < steps else None
+            if signum is not None:
                 parts.checkpointer.save(done, state, wait=True)
                 parts.log.finish(*pending)
-                return done, signal.Signals(stop.received).name
+                return done, signal.Signals(signum).name
         if pending is not None:
             parts.log.finish(*pending)
     return None
