@@ -7,6 +7,13 @@ import tempfile
 # out of the developer's ~/.cache, and every session's apart (subprocesses inherit it).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="shipyard-tests-cache-")
 
+# Compiled programs are shared by the whole session, the CLI subprocesses included (they inherit the
+# environment): most tests train, serve or export the same `tiny` model, and on CPU compiling it
+# costs more than running it. XLA flags and devices are part of the cache key, so a test with
+# other flags compiles its own. One directory per session: nothing carries over between runs.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
     + " --xla_force_host_platform_device_count=8"

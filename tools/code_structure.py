@@ -3,7 +3,10 @@ cycle between modules, every import that goes up the layer table and every place
 not support (tests/test_imports.py enforces the same rules), plus imports of another module's
 private names.
 
-    python tools/code_structure.py [--top N]
+    python tools/code_structure.py [--top N] [--src PATH]
+
+`--src` reads another checkout's package (an older commit in a `git worktree`) for a before/after
+table; its layer columns use today's table.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ def private_imports(src: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--src", type=Path, default=ROOT / "src" / "shipyard", help="the package to read")
     args = ap.parse_args()
-    src = ROOT / "src" / "shipyard"
+    src = args.src.resolve()
     print(f"# longest functions (top {args.top})")
     for n, where in function_lengths(src)[: args.top]:
         print(f"{n:5d}  {where}")
