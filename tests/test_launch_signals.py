@@ -52,6 +52,14 @@ def _wait_for_steps(run: Path, proc: subprocess.Popen, n: int, timeout: float = 
     raise AssertionError(f"no {n} steps in {timeout} s")
 
 
+def _newest_complete_checkpoint(run: Path) -> int | None:
+    """The newest saved step whose checksum sidecar (written once the save finished) is there."""
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    if not saved or not (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file():
+        return None
+    return max(saved)
+
+
 def _trainers(run: Path) -> list[int]:
     """pids of the `shipyard train` processes of this run (from /proc)."""
     found = []
@@ -83,10 +91,10 @@ def test_ctrl_c_in_the_terminal_checkpoints_the_cluster_once_and_exits_zero(tmp_
             os.killpg(proc.pid, signal.SIGKILL)
     log = (tmp_path / "ctrl-c.log").read_text()
     assert code == 0, log[-2000:]
-    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
-    assert saved and (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file(), log[-2000:]
+    saved = _newest_complete_checkpoint(run)
+    assert saved is not None, log[-2000:]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(saved) == steps[-1] + 1  # saved at the step boundary after the last logged step
+    assert saved == steps[-1] + 1  # saved at the step boundary after the last logged step
 
 
 @pytest.mark.slow
@@ -107,8 +115,7 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, byte_tokens):
             os.kill(pid, signal.SIGKILL)
     assert not left, "the cluster's processes outlived their launcher"
     # they went as SIGTERM asks: both saved the step they agreed on, then exited
-    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
-    assert saved and (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file()
+    assert _newest_complete_checkpoint(run) is not None
 
 
 def _process_id(pid: int) -> int:
@@ -135,6 +142,5 @@ def test_a_sigterm_to_one_process_stops_the_whole_cluster_at_one_step(tmp_path, 
                 os.kill(pid, signal.SIGKILL)
     log = (tmp_path / "one-sigterm.log").read_text()
     assert code == 0, log[-2000:]
-    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
-    assert saved and (run / "checkpoints" / f"{max(saved)}.sha256.json").is_file(), log[-2000:]
+    assert _newest_complete_checkpoint(run) is not None, log[-2000:]
     assert "SIGTERM received: saved checkpoint" in log, log[-2000:]
