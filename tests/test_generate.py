@@ -89,6 +89,23 @@ def test_tokens_per_call_changes_nothing_but_how_often_the_host_is_called():
         assert run(n) == one_by_one
 
 
+def test_a_reply_costs_only_the_decode_steps_it_needs():
+    # 11 new tokens: the prefill picks the first, then 10 decode steps in calls of 4, 4 and 2, and no
+    # call once every row's last token is in flight (it used to run 16 steps in 4 calls)
+    cfg = load_config("tiny").model
+    engine = engine_for(_params(cfg), cfg, PROMPTS, 11, tokens_per_call=4)
+    decode, steps = engine._decode, []
+
+    def counting(*args, **kwargs):
+        steps.append(int(args[4]))
+        return decode(*args, **kwargs)
+
+    engine._decode = counting
+    got = complete(engine, PROMPTS, 11)
+    assert [len(t) for t in got] == [11] * len(PROMPTS)
+    assert steps == [4, 4, 2]
+
+
 def test_greedy_equals_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

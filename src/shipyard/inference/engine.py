@@ -148,10 +148,21 @@ def _no_logprobs(logits, tokens, top: int = TOP_LOGPROBS):
 
 
 def _decode_steps(
-    weights, rows: Rows, caches, want_logprobs, *, forward, chunk, n_rows: int, span: int, axes, plain=False
+    weights,
+    rows: Rows,
+    caches,
+    want_logprobs,
+    steps,
+    *,
+    forward,
+    chunk,
+    n_rows: int,
+    span: int,
+    axes,
+    plain=False,
 ):
-    """`chunk` decode steps for the first `n_rows` rows over the first `span` cache slots:
-    (tokens [chunk, n_rows], logprobs, rows, caches).
+    """`steps` (traced, at most `chunk`) decode steps for the first `n_rows` rows over the first `span`
+    cache slots: (tokens [chunk, n_rows], logprobs, rows, caches); entries past `steps` are zeros.
 
     The busy rows are the lowest slots and none reaches past `span` in this
     call, so the step runs on a copy of just that corner of the cache (rows and
@@ -166,7 +177,7 @@ def _decode_steps(
     rows = jax.tree.map(lambda x: x[:n_rows], rows)
     caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
     out, rows, caches = _steps(
-        weights, rows, caches, want_logprobs, forward=forward, chunk=chunk, span=span, plain=plain
+        weights, rows, caches, want_logprobs, steps, forward=forward, chunk=chunk, span=span, plain=plain
     )
     rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
     caches = _map_cache(
@@ -190,7 +201,7 @@ def _map_cache(fn, caches, *others):
     return jax.tree.unflatten(treedef, out)
 
 
-def _steps(weights, rows: Rows, caches, want_logprobs, *, forward, chunk: int, span: int, plain: bool):
+def _steps(weights, rows: Rows, caches, want_logprobs, steps, *, forward, chunk: int, span: int, plain: bool):
     B = rows.last.shape[0]
 
     def body(i, carry):
@@ -215,7 +226,8 @@ def _steps(weights, rows: Rows, caches, want_logprobs, *, forward, chunk: int, s
         jnp.zeros((chunk, B, TOP_LOGPROBS), jnp.float32),
         jnp.zeros((chunk, B, TOP_LOGPROBS), jnp.int32),
     )
-    out, rows, caches = jax.lax.fori_loop(0, chunk, body, (out, rows, caches))
+    # a traced trip count: the last call of a reply runs only the steps it still needs, in the same program
+    out, rows, caches = jax.lax.fori_loop(0, steps, body, (out, rows, caches))
     return out, rows, caches
 
 
@@ -344,7 +356,7 @@ class Engine:
         self._pending: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._in_flight = None  # (device outputs, the request in each slot when the call was queued)
+        self._in_flight = None  # (device outputs, the request in each slot when queued, steps it runs)
         self._driving = threading.Lock()  # one caller of `generate` drives an unstarted engine at a time
         self.error: BaseException | None = None
 
@@ -392,7 +404,13 @@ class Engine:
             raise RuntimeError("compile the engine before starting it")
         for n_rows, span in self.shapes():
             out, self._rows, self._caches = self._decode(
-                self.decode_weights, self._rows, self._caches, np.bool_(False), n_rows=n_rows, span=span
+                self.decode_weights,
+                self._rows,
+                self._caches,
+                np.bool_(False),
+                np.int32(self.tokens_per_call),
+                n_rows=n_rows,
+                span=span,
             )
             jax.block_until_ready(out)
             if on_shape is not None:
@@ -552,8 +570,12 @@ class Engine:
         """Queue a decode call for the busy rows, then deliver the previous call's tokens (so the device
         computes the next chunk while the host hands out the last one)."""
         queued = None
-        if any(self._slots):
-            n_rows, span = self.shape()
+        for r in self._slots:  # a cancelled row frees its slot now, whether or not a call is in flight
+            if r is not None and r.cancelled and not r.finished:
+                self._finish(r, [], [], "cancelled")
+        steps = self._steps_needed()
+        if steps:
+            n_rows, span = self.shape(steps)
             busy = [r for r in self._slots[:n_rows] if r is not None]
             want = any(r.sampling.logprobs for r in busy)
             # A started engine (a server) runs the general program, compiled ahead for every shape; the
@@ -565,24 +587,39 @@ class Engine:
                 self._rows,
                 self._caches,
                 np.bool_(want),
+                np.int32(steps),
                 n_rows=n_rows,
                 span=span,
                 plain=plain,
             )
-            queued = (out, list(self._slots[:n_rows]))
+            queued = (out, list(self._slots[:n_rows]), steps)
             for b in range(n_rows):
-                self._pos[b] = min(self._pos[b] + self.tokens_per_call, span - 1)
+                self._pos[b] = min(self._pos[b] + steps, span - 1)
         if self._in_flight is not None:
             self._deliver(*self._in_flight)
         self._in_flight = queued
 
-    def shape(self) -> tuple[int, int]:
-        """(rows, cache slots) the next decode call covers: the smallest of `shapes` covering the highest
-        busy slot and the furthest position a busy row reaches in the call."""
+    def _steps_needed(self) -> int:
+        """Decode steps the next call runs: up to `tokens_per_call`, as many as the busy row furthest from
+        its max_tokens still needs beyond the call in flight (0: every busy row's last token is already
+        being computed, so no call is queued; a row may still end sooner at a stop id)."""
+        ahead = {}
+        if self._in_flight is not None:
+            _, owners, steps = self._in_flight
+            ahead = {id(r): steps for r in owners if r is not None}
+        need = [
+            r.sampling.max_tokens - r.generated - ahead.get(id(r), 0) for r in self._slots if r is not None
+        ]
+        return max(0, min(max(need, default=0), self.tokens_per_call))
+
+    def shape(self, steps: int | None = None) -> tuple[int, int]:
+        """(rows, cache slots) the next decode call (of `steps` steps, default `tokens_per_call`) covers:
+        the smallest of `shapes` covering the highest busy slot and the furthest position a busy row
+        reaches in the call."""
         if self.fixed_shape:
             return self.max_batch, self.max_len
         busy = [b for b, r in enumerate(self._slots) if r is not None]
-        reach = max(self._pos[b] for b in busy) + self.tokens_per_call
+        reach = max(self._pos[b] for b in busy) + (self.tokens_per_call if steps is None else steps)
         n_rows = next(r for r in _sizes(1, self.max_batch) if r > max(busy))
         return n_rows, next(s for s in _sizes(64, self.max_len) if s >= reach or s == self.max_len)
 
@@ -657,8 +694,8 @@ class Engine:
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
             self._take(r, [token[i]], [lp if r.sampling.logprobs else None])
 
-    def _deliver(self, out, owners: Sequence[Request | None]) -> None:
-        tokens, chosen, best, ids = (np.asarray(x) for x in out)
+    def _deliver(self, out, owners: Sequence[Request | None], steps: int) -> None:
+        tokens, chosen, best, ids = (np.asarray(x)[:steps] for x in out)
         for b, request in enumerate(owners):
             if request is None or request.finished:
                 continue
