@@ -295,3 +295,18 @@ class RangeReader:
             return data
 
         return retrying(get, f"reading {redact(self.url)} bytes {start}-{end}", self.retry)
+
+
+ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "FSSPEC_")
+
+
+def environment() -> dict[str, str]:
+    """This process's object-storage settings (endpoint, region, credentials) from the environment."""
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Take `env` (`environment()` of the planning process) as this process's storage settings."""
+    for k in [k for k in os.environ if k.startswith(ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)

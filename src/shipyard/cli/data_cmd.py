@@ -30,7 +30,8 @@ def _cmd_data_stdlib(args) -> int:
 
 
 def _stage_common(args, schema, section: str | None = None):
-    """(stage config, read config, workers) from --config / --set / flags."""
+    """(stage config, read config, workers: a count or a Ray cluster) from --config / --set / flags."""
+    from shipyard.data.cluster import RayCluster
     from shipyard.data.configs import ReadConfig, build_schema, load_stage_config
     from shipyard.data.stage import default_workers
 
@@ -40,6 +41,8 @@ def _stage_common(args, schema, section: str | None = None):
         {"text_field": args.text_field, "max_bad_fraction": args.max_bad_fraction},
         f"data {args.data_command}",
     )
+    if getattr(args, "ray", None):
+        return cfg, read, RayCluster(args.ray)
     return cfg, read, getattr(args, "workers", None) or default_workers()
 
 
@@ -145,6 +148,8 @@ def _cmd_data_prepare(args) -> int:
     from shipyard.data.prepare import run_prepare
 
     cfg = load_prepare_config(args.config, args.set)
+    if args.ray:
+        cfg = cfg.model_copy(update={"ray": args.ray})
     summary = run_prepare(cfg, overwrite=args.overwrite)
     print(f"train shards: {summary['train_shards']}")
     if "validation_shards" in summary:
@@ -214,11 +219,24 @@ def _register_classifier(data_sub) -> None:
     cl.add_argument(
         "--top-fraction", type=float, default=None, help="keep this fraction, highest scores first"
     )
-    cl.add_argument(
-        "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
-    )
+    _worker_arguments(cl)
     _stage_arguments(cl)
     cl.set_defaults(func=_cmd_data_classify)
+
+
+RAY_HELP = (
+    "run the work units as tasks of the Ray cluster at ADDRESS (host:port; `local` starts one here) "
+    "instead of local processes: the same output; inputs and --out on a shared filesystem or a bucket"
+)
+
+
+def _worker_arguments(parser) -> None:
+    """--workers N or --ray ADDRESS: where a stage's units run."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
+    )
+    where.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP)
 
 
 def register(sub) -> None:
@@ -250,9 +268,7 @@ def register(sub) -> None:
         st.add_argument("inputs", nargs="+", help=INPUTS_HELP)
         _stage_arguments(st)
         if name != "tokenizer-train":
-            st.add_argument(
-                "--workers", type=whole_number(1), default=None, help="worker processes (default: every core)"
-            )
+            _worker_arguments(st)
         if name == "decontaminate":
             st.add_argument(
                 "--eval", type=location, action="append", default=[], help="evaluation set (repeatable)"
@@ -275,6 +291,7 @@ def register(sub) -> None:
     pr.add_argument("config", type=Path, help="prepare config (see docs/data.md)")
     pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
     pr.add_argument("--overwrite", action="store_true", help="redo stages whose config or inputs changed")
+    pr.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP + " (the config's `ray`)")
     pr.set_defaults(func=_cmd_data_prepare)
 
     ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")

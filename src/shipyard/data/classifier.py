@@ -26,7 +26,17 @@ from shipyard import storage
 from shipyard.data.configs import ClassifierTrainConfig, ClassifyConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, check_bad_fraction, read_documents, read_unit
 from shipyard.data.published import local_dir
-from shipyard.data.stage import StageStats, batches, config_record, part_name, plan, run_units, stage_output
+from shipyard.data.stage import (
+    StageStats,
+    Workers,
+    batches,
+    config_record,
+    part_path,
+    plan,
+    publish_part,
+    run_units,
+    stage_output,
+)
 from shipyard.errors import DataError
 from shipyard.output import write_json
 
@@ -166,7 +176,8 @@ def run_classifier_train(
     # fastText trains in file order: interleave the classes so SGD does not see one class, then the other.
     train = [train[i] for i in rng.permutation(len(train))]
     _fasttext()  # a missing package fails before any work
-    with stage_output(out, overwrite, "classifier-train") as tmp:
+    with stage_output(out, overwrite, "classifier-train") as dest:
+        tmp = dest.local
         train_file = tmp / "train.txt"
         train_file.write_text("\n".join(train) + "\n", encoding="utf-8")
         model = _train_model(train_file, tmp / MODEL_FILE, cfg)
@@ -300,7 +311,7 @@ def _classify_unit(item: tuple) -> dict:
     r = {"documents_in": 0, "bytes_out": 0, "documents_out": 0, "dropped": Counter()}
     hist = np.zeros(cfg.histogram_bins, np.int64)
     examples: dict[int, dict] = {}
-    writer = _PartWriter(Path(out_dir) / part_name(index))
+    writer = _PartWriter(part_path(out_dir, index))
     try:
         for batch, scores in _unit_scores(unit, text_field, read, known):
             r["documents_in"] += len(batch)
@@ -318,7 +329,8 @@ def _classify_unit(item: tuple) -> dict:
                 else:
                     r["dropped"]["below_cutoff"] += 1
     finally:
-        r["part"] = writer.close()
+        written = writer.close() is not None
+    r.update(publish_part(writer.path, written, out_dir))
     r.update(bytes_in=read.bytes, read=read, histogram=hist, levels=examples)
     return r
 
@@ -346,7 +358,7 @@ def run_classify(
     model_dir: Path,
     cfg: ClassifyConfig,
     read: ReadConfig,
-    workers: int,
+    workers: Workers,
     overwrite: bool = False,
 ) -> dict:
     """Score every document, keep by cfg.threshold (default 0.5) or cfg.top_fraction; write parts,
@@ -363,7 +375,7 @@ def run_classify(
     load_classifier(Path(model_dir))  # a bad model directory fails here, before any work
     units = plan(inputs)
     stats = StageStats("classify", inputs, config_record(read, classify=cfg), workers)  # times both passes
-    init = (str(model_dir), cfg)
+    init = (str(Path(model_dir).resolve()), cfg)  # absolute: a Ray task on another node reads it too
     if cfg.top_fraction is not None:
         items = ((u, read.text_field) for u in units)
         scores = list(run_units("classify (scoring)", units, _score_only, items, workers, _init, init))
@@ -373,14 +385,16 @@ def run_classify(
         ties, scores = [-1] * len(units), None
     hist = np.zeros(cfg.histogram_bins, np.int64)
     levels: dict[int, dict] = {}
-    with stage_output(out, overwrite, "classify") as tmp:
+    with stage_output(out, overwrite, "classify", workers) as dest:
+        tmp = dest.local
         items = (
-            (i, u, str(tmp), read.text_field, cutoff, ties[i], scores[i] if scores is not None else None)
+            (i, u, dest.parts, read.text_field, cutoff, ties[i], scores[i] if scores is not None else None)
             for i, u in enumerate(units)
         )
         parts = []
         for r in run_units("classify", units, _classify_unit, items, workers, _init, init):
             stats.add(r)
+            dest.add(r)
             hist += r["histogram"]
             for level, ex in r["levels"].items():
                 levels.setdefault(level, ex)

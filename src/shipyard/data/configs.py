@@ -256,6 +256,9 @@ class PrepareConfig(Schema):
     """Output directory (relative to the config file's directory)."""
     workers: int | None = Field(None, gt=0)
     """Worker processes; null uses every core."""
+    ray: str | None = None
+    """A Ray cluster's address (host:port, or `local` to start one here) whose tasks run every stage's
+    work units instead of local worker processes (same outputs); null runs them here."""
     read: ReadConfig = ReadConfig()
     """Reading."""
     extract: ExtractConfig | None = None

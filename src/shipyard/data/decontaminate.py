@@ -18,7 +18,7 @@ import numpy as np
 from shipyard.data.configs import DecontaminateConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, read_documents
 from shipyard.data.ngrams import combine, span_hashes, span_words, word_hashes, word_spans
-from shipyard.data.stage import run_document_stage
+from shipyard.data.stage import Workers, run_document_stage
 from shipyard.errors import DataError
 
 
@@ -86,7 +86,7 @@ def run_decontaminate(
     out: Path,
     cfg: DecontaminateConfig,
     read: ReadConfig,
-    workers: int,
+    workers: Workers,
     overwrite: bool = False,
 ) -> dict:
     sets = eval_ngrams(cfg.eval_sets, cfg.ngram, read.text_field)

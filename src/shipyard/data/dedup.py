@@ -34,9 +34,10 @@ from shipyard.data.ngrams import ngram_hashes
 from shipyard.data.stage import (
     DocWriter,
     StageStats,
+    Workers,
     config_record,
-    part_name,
     plan,
+    publish_part,
     run_units,
     stage_output,
 )
@@ -116,7 +117,7 @@ def write_unit(item: tuple) -> dict:
     """Worker, pass 2: write the kept documents of one unit as part `index`."""
     index, unit, out_dir, text_field, keep = item
     read = ReadStats()
-    writer = DocWriter(Path(out_dir) / part_name(index))
+    writer = DocWriter.part(out_dir, index)
     out = {"documents_out": 0, "bytes_out": 0}
     try:
         for i, doc in enumerate(read_unit(unit, read, text_field)):
@@ -127,7 +128,7 @@ def write_unit(item: tuple) -> dict:
         writer.close()
     if read.documents != len(keep):  # the input changed between the passes
         raise DataError(f"data dedup: {unit.paths[0]} changed while the stage was running; run it again")
-    out["part"] = part_name(index) if writer.written else None
+    out.update(publish_part(writer.path, writer.written, out_dir))
     return out
 
 
@@ -217,12 +218,18 @@ def cluster(keys: list[bytes], sigs: np.ndarray, cfg: DedupConfig) -> tuple[np.n
 
 
 def run_dedup(
-    inputs: list[str], out: Path, cfg: DedupConfig, read: ReadConfig, workers: int, overwrite: bool = False
+    inputs: list[str],
+    out: Path,
+    cfg: DedupConfig,
+    read: ReadConfig,
+    workers: Workers,
+    overwrite: bool = False,
 ) -> dict:
     inputs = [str(p) for p in inputs]
     units = plan(inputs)
     stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
-    with stage_output(out, overwrite, "dedup") as tmp:
+    with stage_output(out, overwrite, "dedup", workers) as dest:
+        tmp = dest.local
         # pass 1: keys and signatures, unit by unit
         ids: list[str] = []
         keys: list[bytes] = []
@@ -254,12 +261,14 @@ def run_dedup(
         # pass 2: each unit writes its kept documents
         offsets = np.concatenate(([0], np.cumsum(counts)))
         items = (
-            (i, u, str(tmp), read.text_field, kept[offsets[i] : offsets[i + 1]]) for i, u in enumerate(units)
+            (i, u, dest.parts, read.text_field, kept[offsets[i] : offsets[i + 1]])
+            for i, u in enumerate(units)
         )
         parts = []
         for r in run_units("dedup: write", units, write_unit, items, workers):
             stats.documents_out += r["documents_out"]
             stats.bytes_out += r["bytes_out"]
+            dest.add(r)
             if r["part"]:
                 parts.append(r["part"])
         result = stats.as_dict()

@@ -182,6 +182,8 @@ def _read_jsonl(
                     text=text,
                     source=source if isinstance(source, str) else shown(path),
                 )
+    except (FileNotFoundError, PermissionError) as e:  # not a bad record: the file is not there for us
+        raise unreadable_input(path, e) from None
     except (EOFError, OSError, zlib.error, _zstd_error()) as e:  # a cut-off or corrupt compressed stream
         stats.reject(f"{shown(path)}:{lineno + 1}", f"truncated or corrupt stream ({type(e).__name__})")
 
@@ -199,6 +201,8 @@ def _parquet_rows(f, path: str, text_field: str, stats: ReadStats, unit: Unit | 
 
     try:
         pf = pq.ParquetFile(f)
+    except (FileNotFoundError, PermissionError) as e:
+        raise unreadable_input(path, e) from None
     except (pa.ArrowException, OSError) as e:
         stats.reject(path, f"unreadable parquet ({type(e).__name__})")
         return
@@ -239,6 +243,18 @@ def _read_whole(path: Location, stats: ReadStats) -> Iterator[Document]:
         stats.reject(where, "invalid UTF-8")
         return
     yield Document(id=where, text=text, source=where)
+
+
+def unreadable_input(path, e: OSError) -> DataError:
+    """An input that was there when the stage was planned but cannot be opened where a unit is read
+    (another node of a cluster that does not mount it, or a file removed meanwhile)."""
+    import socket
+
+    why = e.strerror or type(e).__name__
+    return DataError(
+        f"input {shown(path)} cannot be read on {socket.gethostname()} ({why}); a stage reads its inputs "
+        "where its units run: on a cluster, put them on a filesystem every node mounts or in a bucket"
+    )
 
 
 def read_file(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shipyard.data.configs import ExtractConfig, ReadConfig
 from shipyard.data.documents import Document
-from shipyard.data.stage import run_document_stage
+from shipyard.data.stage import Workers, run_document_stage
 
 # Set once per worker process by the pool initializer (a worker serves one stage).
 _CFG: ExtractConfig | None = None
@@ -76,7 +76,12 @@ def extract_batch(docs: list[Document]) -> tuple[list[Document], Counter, list[d
 
 
 def run_extract(
-    inputs: list[str], out: Path, cfg: ExtractConfig, read: ReadConfig, workers: int, overwrite: bool = False
+    inputs: list[str],
+    out: Path,
+    cfg: ExtractConfig,
+    read: ReadConfig,
+    workers: Workers,
+    overwrite: bool = False,
 ) -> dict:
     return run_document_stage(
         "extract",

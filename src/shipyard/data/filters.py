@@ -15,7 +15,7 @@ import numpy as np
 
 from shipyard.data.configs import FilterConfig, ReadConfig
 from shipyard.data.documents import Document
-from shipyard.data.stage import run_document_stage
+from shipyard.data.stage import Workers, run_document_stage
 
 TERMINAL = (".", "!", "?", '"', "'", "”", "’")
 
@@ -160,7 +160,12 @@ def filter_batch(docs: list[Document]) -> tuple[list[Document], Counter, list[di
 
 
 def run_filter(
-    inputs: list[str], out: Path, cfg: FilterConfig, read: ReadConfig, workers: int, overwrite: bool = False
+    inputs: list[str],
+    out: Path,
+    cfg: FilterConfig,
+    read: ReadConfig,
+    workers: Workers,
+    overwrite: bool = False,
 ) -> dict:
     return run_document_stage(
         "filter",

@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from shipyard import storage
+from shipyard.data.cluster import RayCluster
 from shipyard.data.configs import PrepareConfig
 from shipyard.data.stage import config_record, default_workers, output_exists
 from shipyard.errors import DataError
@@ -111,7 +112,7 @@ def run_prepare(cfg: PrepareConfig, overwrite: bool = False, log: Callable[[str]
     from shipyard.data.tokenize import run_tokenize
     from shipyard.data.tokenizer import run_tokenizer_train, tokenizer_record
 
-    workers = cfg.workers or default_workers()
+    workers = RayCluster(cfg.ray) if cfg.ray else (cfg.workers or default_workers())
     storage.check_scheme(cfg.out, "data prepare: out")
     out = cfg.out if storage.is_url(cfg.out) else storage.local(cfg.out)
     chain = _Chain(out, overwrite, log)

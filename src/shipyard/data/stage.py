@@ -19,7 +19,11 @@ first, the files, the `_SUCCESS` marker last, so a reader can tell a prefix
 whose upload was cut off from a finished one (`sources.list_url` refuses it).
 
 Workers come from a fork server (`_context`): forking this process directly
-could deadlock if it has started JAX or tokenizers' threads.
+could deadlock if it has started JAX or tokenizers' threads. Given a
+`cluster.RayCluster` instead of a worker count, a stage runs its units as Ray
+tasks on that cluster (cluster.py) with the same outputs; a URL output then
+gets its parts uploaded by the tasks themselves (`StageDir.parts`), so no
+node needs the driver's disk.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shipyard import __version__, storage
+from shipyard.data.cluster import RayCluster, ray_map
 from shipyard.data.documents import (
     Document,
     ReadStats,
@@ -55,8 +60,23 @@ BATCH_BYTES = 4 << 20
 MAX_EXAMPLES = 20
 
 
+Workers = int | RayCluster
+"""Where a stage's units run: this many local processes, or the tasks of a Ray cluster."""
+
+
 def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def in_process(workers: Workers) -> bool:
+    """Whether the units run in this very process (one local worker)."""
+    return not isinstance(workers, RayCluster) and workers <= 1
+
+
+def describe_workers(workers: Workers) -> int | str:
+    """stats.json's `workers`: the process count, or the Ray address (a host field: the output does
+    not depend on it)."""
+    return f"ray {workers.address}" if isinstance(workers, RayCluster) else workers
 
 
 @dataclass
@@ -66,7 +86,7 @@ class StageStats:
     stage: str
     inputs: list[str]
     config: dict
-    workers: int
+    workers: Workers
     documents_in: int = 0
     bytes_in: int = 0
     documents_out: int = 0
@@ -94,7 +114,7 @@ class StageStats:
             "stage": self.stage,
             "inputs": [storage.redact(i) for i in self.inputs],
             "config": self.config,
-            "workers": self.workers,
+            "workers": describe_workers(self.workers),
             "documents_in": self.documents_in,
             "bytes_in": self.bytes_in,
             "documents_out": self.documents_out,
@@ -112,26 +132,49 @@ class StageStats:
 HINT = "pass --overwrite or choose another --out"
 
 
+@dataclass
+class StageDir:
+    """Where a running stage writes: `local` (a directory here) and `parts`, where unit workers write
+    their parts: `local` itself (absolute, so a Ray task on another node of a shared filesystem finds
+    it), or for a URL output run on a Ray cluster the URL, which the tasks upload to directly."""
+
+    local: Path
+    parts: str
+    uploaded: dict[str, dict] = field(default_factory=dict)
+    """Parts the workers uploaded to `parts` (a URL): name -> {bytes, sha256}, for the marker."""
+
+    def add(self, result: dict) -> None:
+        """Note a unit's uploaded part (its result's `uploaded` entry)."""
+        self.uploaded.update(result.get("uploaded") or {})
+
+
 @contextlib.contextmanager
-def stage_output(out: str | Path, overwrite: bool, stage: str) -> Iterator[Path]:
-    """A local directory to write data stage `stage`'s output into, which becomes `out` when the
-    block completes: `output.atomic_dir` for a local `out`; for a URL, a local staging directory
-    published to it (`publish_output`). An existing `out` is a data error unless --overwrite."""
+def stage_output(out: str | Path, overwrite: bool, stage: str, workers: Workers = 1) -> Iterator[StageDir]:
+    """Where to write data stage `stage`'s output; it becomes `out` when the block completes:
+    `output.atomic_dir` for a local `out`; for a URL, a local staging directory published to it
+    (`publish_output`). With a Ray cluster and a URL, the parts go straight to the URL from the
+    tasks: the old marker and objects are removed and the stage tag written first (a reader then
+    refuses the prefix until the marker comes, last). An existing `out` is a data error unless
+    --overwrite."""
     storage.check_scheme(out, f"data {stage} --out")
     if not storage.is_url(out):
         with atomic_dir(
             storage.local(out), f"data {stage}", overwrite=overwrite, hint=HINT, error=DataError
         ) as tmp:
-            yield tmp
+            yield StageDir(tmp, str(tmp.resolve()))
         return
     url = str(out)
     if not overwrite and output_exists(url):
         raise DataError(f"data {stage}: {storage.redact(url)} already exists; {HINT}")
+    remote_parts = isinstance(workers, RayCluster)
+    if remote_parts:
+        unpublish(url, stage)
     staging = Path(tempfile.mkdtemp(prefix=f"shipyard-{stage}-"))
     try:
         with atomic_dir(staging / "out", f"data {stage}", error=DataError) as tmp:
-            yield tmp
-        publish_output(staging / "out", url, stage)
+            dest = StageDir(tmp, url if remote_parts else str(tmp))
+            yield dest
+        publish_output(staging / "out", url, stage, dest.uploaded if remote_parts else None)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -141,20 +184,30 @@ def output_exists(url: str) -> bool:
     return storage.is_published(url) or bool(storage.list_files(url)) or storage.exists(url)
 
 
-def publish_output(local_dir: Path, url: str, stage: str) -> None:
+def publish_output(local_dir: Path, url: str, stage: str, uploaded: dict[str, dict] | None = None) -> None:
     """Publish a finished stage directory to `url`: the old marker and objects go first, then the
     stage tag (so a reader knows a marker is due), the files, and the marker last. The marker
-    lists every file's size and sha256 (tokenizer downloads check them)."""
+    lists every file's size and sha256 (tokenizer downloads check them). `uploaded`: parts Ray
+    tasks already put at `url` (after `unpublish`), listed in the marker and kept."""
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
     listing = {
         p.relative_to(local_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
     }
+    listing = dict(sorted({**listing, **(uploaded or {})}.items()))
     tag = {"stage": stage, "shipyard_version": __version__}
     (local_dir / storage.MARKER).write_text(json.dumps({**tag, "files": listing}, indent=2) + "\n")
-    storage.remove(str(storage.join(url, storage.MARKER)))  # before anything else: no reader sees it again
-    storage.remove(url)
-    storage.write_bytes(str(storage.join(url, STAGE_TAG)), json.dumps(tag).encode())
+    if uploaded is None:
+        unpublish(url, stage)
     storage.publish_dir(local_dir, url, replace=False)
+
+
+def unpublish(url: str, stage: str) -> None:
+    """Make `url` an unfinished output of `stage`: the marker first (no reader sees it again), every
+    other object, then the stage tag (a reader then knows a marker is due and refuses the prefix)."""
+    storage.remove(str(storage.join(url, storage.MARKER)))
+    storage.remove(url)
+    tag = {"stage": stage, "shipyard_version": __version__}
+    storage.write_bytes(str(storage.join(url, STAGE_TAG)), json.dumps(tag).encode())
 
 
 def _sha256(path: Path) -> str:
@@ -183,6 +236,11 @@ class DocWriter:
         self._file = self._writer = None
         self.written = False
 
+    @classmethod
+    def part(cls, dest: str, index: int) -> DocWriter:
+        """A writer of part `index` for `dest` (see `part_path`)."""
+        return cls(part_path(dest, index))
+
     def write(self, doc: Document) -> int:
         """Append one document; returns its text's UTF-8 size."""
         if self._writer is None:
@@ -202,6 +260,33 @@ class DocWriter:
             self._writer = self._file = None
 
 
+def part_path(dest: str, index: int) -> Path:
+    """Where a unit worker writes part `index` of a stage writing to `dest` (`StageDir.parts`): in
+    the directory `dest`, or for a URL in a temporary directory of its own (`publish_part` uploads it)."""
+    if storage.is_url(dest):
+        return Path(tempfile.mkdtemp(prefix="shipyard-part-")) / part_name(index)
+    return Path(dest) / part_name(index)
+
+
+def publish_part(path: Path, written: bool, dest: str) -> dict:
+    """After a unit's part at `path` (from `part_path`) is closed: the unit result's `part` (its name,
+    or None when it kept nothing) and, for a URL `dest`, `uploaded` ({name: {bytes, sha256}}): the
+    part is put there whole (one object PUT: a retried unit replaces it with the same bytes), and
+    the local copy removed."""
+    name = path.name if written else None
+    if not storage.is_url(dest):
+        return {"part": name}
+    try:
+        if name is None:
+            return {"part": None, "uploaded": {}}
+        data = path.read_bytes()
+        storage.write_bytes(str(storage.join(dest, name)), data)
+        digest = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return {"part": name, "uploaded": {name: digest}}
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
 def batches(docs: Iterable[Document], max_docs: int = BATCH_DOCS, max_bytes: int = BATCH_BYTES):
     """Group documents into lists of at most max_docs documents or about max_bytes characters."""
     batch: list[Document] = []
@@ -217,15 +302,19 @@ def batches(docs: Iterable[Document], max_docs: int = BATCH_DOCS, max_bytes: int
 
 
 def pool_map(
-    fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None, initargs: tuple = ()
+    fn: Callable, items: Iterable, workers: Workers, initializer: Callable | None = None, initargs: tuple = ()
 ) -> Iterator:
-    """fn over items in input order: in-process for one worker, else a process pool (see _context)."""
+    """fn over items in input order: in-process for one worker, a process pool (see _context), or the
+    tasks of a Ray cluster (cluster.ray_map)."""
+    if isinstance(workers, RayCluster):
+        yield from ray_map(fn, items, workers, storage.environment(), initializer, initargs)
+        return
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, items)
         return
-    init = (storage_environment(), initializer, initargs)
+    init = (storage.environment(), initializer, initargs)
     with _context().Pool(workers, initializer=_init_worker, initargs=init) as pool:
         # Not Pool.imap: its feeder thread drains the input as fast as it can.
         # Two items per worker in flight keep every worker busy with bounded memory.
@@ -238,22 +327,12 @@ def pool_map(
             yield inflight.popleft().get()
 
 
-STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "FSSPEC_")
-
-
-def storage_environment() -> dict[str, str]:
-    """This process's object-storage settings (endpoint, region, credentials) from the environment."""
-    return {k: v for k, v in os.environ.items() if k.startswith(STORAGE_ENV_PREFIXES)}
-
-
 def _init_worker(env: dict[str, str], initializer: Callable | None, initargs: tuple) -> None:
     """A pool worker's setup. The fork server keeps the environment of the moment it started (the
     first pool of this process), so each worker takes the storage settings of now from its parent:
     a stage must reach the same store as the process that planned it. Each worker then builds its
     own fsspec client on first use (no client crosses a fork)."""
-    for k in [k for k in os.environ if k.startswith(STORAGE_ENV_PREFIXES) and k not in env]:
-        del os.environ[k]
-    os.environ.update(env)
+    storage.apply_environment(env)
     if initializer is not None:
         initializer(*initargs)
 
@@ -301,7 +380,7 @@ def run_units(
     units: list[Unit],
     fn: Callable,
     items: Iterable,
-    workers: int,
+    workers: Workers,
     initializer: Callable | None = None,
     initargs: tuple = (),
 ) -> Iterator:
@@ -320,7 +399,7 @@ def document_unit(item: tuple) -> dict:
     """Worker: read one unit, run the stage's batch function, write the kept documents as part `index`."""
     index, unit, out_dir, text_field, batch_fn = item
     read = ReadStats()
-    writer = DocWriter(Path(out_dir) / part_name(index))
+    writer = DocWriter.part(out_dir, index)
     r = {
         "documents_in": 0,
         "bytes_in": 0,
@@ -342,7 +421,7 @@ def document_unit(item: tuple) -> dict:
         writer.close()
     r["bytes_in"] = read.bytes
     r["read"] = read
-    r["part"] = part_name(index) if writer.written else None
+    r.update(publish_part(writer.path, writer.written, out_dir))
     return r
 
 
@@ -354,7 +433,7 @@ def run_document_stage(
     read,
     worker: Callable[[list[Document]], tuple[list[Document], Counter, list[dict]]],
     *,
-    workers: int,
+    workers: Workers,
     overwrite: bool,
     initializer: Callable | None = None,
     initargs: tuple = (),
@@ -373,11 +452,13 @@ def run_document_stage(
     units = plan(inputs)
     stats = StageStats(stage, inputs, config_record(read, **{stage: cfg}), workers, max_examples=max_examples)
     text_field = read.text_field
-    with stage_output(out, overwrite, stage) as tmp:
-        items = ((i, u, str(tmp), text_field, worker) for i, u in enumerate(units))
+    with stage_output(out, overwrite, stage, workers) as dest:
+        tmp = dest.local
+        items = ((i, u, dest.parts, text_field, worker) for i, u in enumerate(units))
         parts = []
         for r in run_units(stage, units, document_unit, items, workers, initializer, initargs):
             stats.add(r)
+            dest.add(r)
             if r["part"]:
                 parts.append(r["part"])
         check_bad_fraction(stats.read, read.max_bad_fraction, f"data {stage}")

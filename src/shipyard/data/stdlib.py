@@ -49,7 +49,8 @@ def write_stdlib_documents(out_dir: Path, overwrite: bool = False) -> dict:
     """
     stats = {split: {"documents": 0, "bytes": 0} for split in SPLITS}
     stats["skipped_not_utf8"] = 0
-    with stage_output(Path(out_dir), overwrite, "stdlib") as tmp:
+    with stage_output(Path(out_dir), overwrite, "stdlib") as dest:
+        tmp = dest.local
         handles = {split: open(tmp / f"{split}.jsonl", "w", encoding="utf-8") for split in SPLITS}  # noqa: SIM115
         try:
             for rel, path in stdlib_files():

@@ -21,11 +21,21 @@ from shipyard.data.configs import ReadConfig, TokenizeConfig
 from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.remote_tokenizer import local_tokenizer
 from shipyard.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
-from shipyard.data.stage import StageStats, batches, config_record, plan, run_units, stage_output
+from shipyard.data.stage import (
+    StageStats,
+    Workers,
+    batches,
+    config_record,
+    in_process,
+    plan,
+    run_units,
+    stage_output,
+)
 from shipyard.data.tokenizer import (
     TOKENIZER_FILE,
     load_tokenizer,
     special_token_ids,
+    tokenizer_from_json,
     tokenizer_record,
     tokenizer_sha256,
 )
@@ -36,10 +46,13 @@ from shipyard.output import write_json
 _STATE: dict = {}
 
 
-def _init(tokenizer_path: str, prefix: list[int], eos_id: int, dtype: str, single_thread: bool) -> None:
+def _init(tokenizer_text: str, prefix: list[int], eos_id: int, dtype: str, single_thread: bool) -> None:
+    """A worker's setup. The tokenizer comes as its JSON text, not a path: a Ray task on another node
+    has no access to the driver's copy (a bucket tokenizer is fetched once, by the driver)."""
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _STATE.update(tok=load_tokenizer(tokenizer_path), prefix=prefix, eos=eos_id, dtype=np.dtype(dtype))
+    tok = tokenizer_from_json(tokenizer_text, "sent by the driver")
+    _STATE.update(tok=tok, prefix=prefix, eos=eos_id, dtype=np.dtype(dtype))
 
 
 def encode_unit(item: tuple) -> dict:
@@ -78,7 +91,7 @@ def run_tokenize(
     tokenizer_path: str | Path,
     cfg: TokenizeConfig,
     read: ReadConfig,
-    workers: int,
+    workers: Workers,
     overwrite: bool = False,
 ) -> dict:
     inputs = [str(p) for p in inputs]
@@ -97,11 +110,15 @@ def run_tokenize(
     tagged = [(src, u) for src in inputs for u in plan([src])]
     units = [u for _, u in tagged]
     per_source = {storage.redact(src): {"documents": 0, "tokens": 0, "bytes": 0} for src in inputs}
-    with stage_output(out, overwrite, "tokenize") as tmp:
+    with stage_output(out, overwrite, "tokenize") as dest:
+        tmp = dest.local
         writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
-        single = workers > 1  # one worker runs in this process and may use tokenizers' own threads
+        single = not in_process(
+            workers
+        )  # one worker runs in this process and may use tokenizers' own threads
         items = ((u, read.text_field, cfg.batch_documents) for u in units)
-        init = (str(tokenizer_path), prefix, ids["eos_token"], dtype.str, single)
+        file = tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path
+        init = (file.read_text(encoding="utf-8"), prefix, ids["eos_token"], dtype.str, single)
         for (src, _), r in zip(
             tagged, run_units("tokenize", units, encode_unit, items, workers, _init, init)
         ):

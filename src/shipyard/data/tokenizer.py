@@ -32,18 +32,24 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def load_tokenizer(path: str | Path):
     """A `tokenizers.Tokenizer` from a tokenizer.json file or a directory holding one (or their URL)."""
-    from tokenizers import Tokenizer
-
     path = local_tokenizer(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise DataError(
             f"tokenizer {path}: no such file (expected a tokenizer.json or a directory holding one)"
         )
+    return tokenizer_from_json(file.read_text(encoding="utf-8"), str(file))
+
+
+def tokenizer_from_json(text: str, where: str):
+    """A `tokenizers.Tokenizer` from tokenizer.json's text (`where`: its file, for the error), as stages
+    encode with it: special-token strings in a document's text are encoded as the tokens."""
+    from tokenizers import Tokenizer
+
     try:
-        tok = Tokenizer.from_file(str(file))
+        tok = Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
-        raise DataError(f"tokenizer {file}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from e
+        raise DataError(f"tokenizer {where}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from e
     tok.encode_special_tokens = True
     return tok
 
@@ -168,7 +174,8 @@ def run_tokenizer_train(
         config_record(read, tokenizer=cfg),
         workers=0,
     )
-    with stage_output(out, overwrite, "tokenizer-train") as tmp:
+    with stage_output(out, overwrite, "tokenizer-train") as dest:
+        tmp = dest.local
         tok, trainer = new_bpe(cfg)
         docs = (d for u in units for d in read_unit(u, stats.read, read.text_field))
         # the bar counts text bytes read, against the input's size on disk (about equal for plain jsonl)

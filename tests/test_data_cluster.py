@@ -1,0 +1,139 @@
+"""Data stages on a real multi-node Ray cluster (a head without CPUs and two worker nodes, each started
+from its own working directory): every output file equals the local run's byte for byte."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from data_fixtures import mutate, prose, write_jsonl
+
+from shipyard.data.sources import STAGE_TAG
+
+pytestmark = pytest.mark.slow
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+SHIPYARD = os.path.join(os.path.dirname(sys.executable), "shipyard")
+HOST_FIELDS = ("seconds", "mb_per_s", "workers")  # where and how fast it ran: not part of the output
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    pytest.importorskip("ray")
+    from shipyard.parallel.launch import free_port
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = free_port()
+    base = tmp_path_factory.mktemp("ray")
+    # no CPUs on the head: every unit task runs on a worker node, in a working directory of its own
+    head = [RAY, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false"]
+    subprocess.run([*head, "--disable-usage-stats"], check=True, capture_output=True, timeout=180, env=env)
+    try:
+        for n in (1, 2):
+            cwd = base / f"node{n}"
+            cwd.mkdir()
+            node = [RAY, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--disable-usage-stats"]
+            subprocess.run(node, check=True, capture_output=True, timeout=180, env=env, cwd=cwd)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+
+
+def _shipyard(*args, cwd, env=None):
+    r = subprocess.run(
+        [SHIPYARD, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})},
+    )
+    return r
+
+
+def _corpus(d: Path) -> None:
+    """Three inputs over 1 MB each (three work units), near-duplicates planted across them."""
+    for f in range(3):
+        texts = [prose(1000 * f + s, words=400) for s in range(500)]
+        if f:
+            texts += [mutate(prose(s, words=400), 0.02, 7 + f) for s in range(0, 40, f + 1)]
+        write_jsonl(d / f"in{f}.jsonl", texts)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _same_output(a: Path, b: Path) -> None:
+    fa, fb = _files(a), _files(b)
+    assert sorted(fa) == sorted(fb)
+    for name in fa:
+        if name.endswith(".json"):  # stats, manifests and summaries name the run's own directories
+            # the stages downstream record their input directory: the same name under each root
+            ja = json.loads(fa[name].decode().replace(str(a), "ROOT"))
+            jb = json.loads(fb[name].decode().replace(str(b), "ROOT"))
+            for j in (ja, jb):
+                for k in HOST_FIELDS:
+                    j.pop(k, None)
+                for stage in j.get("stages", {}).values() if isinstance(j.get("stages"), dict) else ():
+                    for k in HOST_FIELDS:
+                        stage.pop(k, None)
+            assert ja == jb, name
+        else:
+            assert fa[name] == fb[name], name
+
+
+def test_prepare_on_a_cluster_writes_what_the_local_run_writes(ray_address, tmp_path):
+    _corpus(tmp_path)
+    write_jsonl(tmp_path / "val.jsonl", [prose(9000 + s) for s in range(5)])
+    write_jsonl(tmp_path / "eval.jsonl", [prose(1003, words=400)[:600]])
+    (tmp_path / "prepare.yaml").write_text(
+        "inputs: [in0.jsonl, in1.jsonl, in2.jsonl]\nvalidation_inputs: [val.jsonl]\nout: local\n"
+        "filter: {min_words: 50}\ndecontaminate: {eval_sets: [eval.jsonl]}\n"
+        "tokenizer: {vocab_size: 320}\ntokenize: {shard_tokens: 100000}\n"
+    )
+    local = _shipyard("data", "prepare", "prepare.yaml", "--set", "workers=2", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    # relative inputs and outputs: each task works in the driver's directory (a shared filesystem)
+    ray = _shipyard(
+        "data", "prepare", "prepare.yaml", "--set", "out=onray", "--ray", ray_address, cwd=tmp_path
+    )
+    assert ray.returncode == 0, ray.stderr
+    dedup = json.loads((tmp_path / "onray" / "02-dedup" / "stats.json").read_text())
+    assert dedup["workers"] == f"ray {ray_address}"
+    assert dedup["dropped"]["fuzzy_duplicate"] >= 20  # the planted near-duplicates, across files
+    decon = json.loads((tmp_path / "onray" / "03-decontaminate" / "stats.json").read_text())
+    assert decon["documents_out"] < decon["documents_in"]
+    _same_output(tmp_path / "local", tmp_path / "onray")
+
+
+def test_a_bucket_output_is_uploaded_by_the_tasks_marker_last(ray_address, tmp_path, bucket, s3_env):
+    _corpus(tmp_path)
+    inputs = ["in0.jsonl", "in1.jsonl", "in2.jsonl"]
+    local = _shipyard("data", "filter", *inputs, "--out", "f", "--workers", "2", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    url = f"{bucket}/filtered"
+    ray = _shipyard("data", "filter", *inputs, "--out", url, "--ray", ray_address, cwd=tmp_path, env=s3_env)
+    assert ray.returncode == 0, ray.stderr
+    from shipyard import storage
+
+    fetched = storage.download_dir(url, tmp_path / "fetched")
+    marker = json.loads((fetched / storage.MARKER).read_text())
+    parts = sorted(n for n in marker["files"] if n.startswith("part-"))
+    assert len(parts) >= 3 and parts == sorted(p.name for p in (tmp_path / "f").glob("part-*"))
+    for name in (storage.MARKER, STAGE_TAG):
+        (fetched / name).unlink(missing_ok=True)
+    _same_output(tmp_path / "f", fetched)
+
+
+def test_an_address_without_a_cluster_is_one_line(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [prose(1)])
+    from shipyard.parallel.launch import free_port
+
+    r = _shipyard(
+        "data", "filter", "a.jsonl", "--out", "f", "--ray", f"127.0.0.1:{free_port()}", cwd=tmp_path
+    )
+    assert r.returncode != 0 and not (tmp_path / "f").exists()
+    assert "no Ray cluster answers there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
