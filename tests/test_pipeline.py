@@ -182,6 +182,11 @@ def test_ray_executor_runs_the_same_steps_with_the_same_artifacts(tmp_path, monk
         theirs = json.loads((local[name].out / "provenance.json").read_text())["artifacts"]
         assert ours == theirs, name
     assert all(p.status == "done" for p in _plan_at(path, tmp_path / "ray").values())
+    # the data steps' units ran as Ray tasks, not in a process pool inside the step's task
+    data_steps = [p for p in on_ray.values() if p.step.kind in ("filter", "dedup", "tokenize")]
+    assert data_steps
+    for p in data_steps:
+        assert json.loads((p.out / "stats.json").read_text())["workers"] == "ray auto", p.step.name
 
 
 def _plan_at(path, root):

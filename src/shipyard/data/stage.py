@@ -68,6 +68,17 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def step_workers() -> Workers:
+    """Where a pipeline step's units run: as tasks of the Ray cluster this process is a task of
+    (`shipyard run --ray` runs each step as one), else on every local core."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here unless something already uses Ray
+    if ray is not None and ray.is_initialized():
+        return RayCluster("auto")
+    return default_workers()
+
+
 def in_process(workers: Workers) -> bool:
     """Whether the units run in this very process (one local worker)."""
     return not isinstance(workers, RayCluster) and workers <= 1

@@ -47,6 +47,8 @@ from shipyard.output import write_atomic
 from shipyard.run.rundir import git_commit, package_versions
 
 MARKER = "_SUCCESS"
+UNIT_STEPS = ("extract", "filter", "dedup", "decontaminate", "classify", "tokenize")
+"""Step kinds whose work units run as Ray tasks of their own under `run --ray`."""
 
 
 class StepConfig(Schema):
@@ -386,11 +388,15 @@ def _run_on_ray(planned: list[Planned], address: str, log) -> None:
         raise ConfigError("run --ray: ray is not installed (pip install 'shipyard[ray]')") from e
     ray.init(address=None if address == "local" else address, log_to_driver=True)
     try:
-        task = ray.remote(num_cpus=1)(_ray_step)
+        task = ray.remote(_ray_step)
         refs = {}
         for p in planned:
             if p.status == "run":
-                refs[p.step.name] = task.remote(p, *(refs[u] for u in _upstream(p) if u in refs))
+                # a data step only plans and folds results; its units are tasks of their own, each
+                # taking a CPU (a step holding one too could starve them on a small cluster)
+                cpus = 0 if p.step.kind in UNIT_STEPS else 1
+                upstream = (refs[u] for u in _upstream(p) if u in refs)
+                refs[p.step.name] = task.options(num_cpus=cpus).remote(p, *upstream)
         for name, ref in refs.items():
             record = ray.get(ref)
             log(f"[{name}] done on Ray in {record['wall_seconds']:.1f} s")

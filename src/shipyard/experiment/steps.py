@@ -40,7 +40,7 @@ def _stage(kind: str, schema_name: str, module_name: str):
 
     def run(out: Path, inputs: dict[str, Path], config: dict) -> dict:
         from shipyard.data import configs
-        from shipyard.data.stage import default_workers
+        from shipyard.data.stage import step_workers
 
         (docs,) = _need(kind, inputs, "documents")
         read = configs.build_schema(configs.ReadConfig, config.get("read", {}), f"{kind}.read")
@@ -49,7 +49,7 @@ def _stage(kind: str, schema_name: str, module_name: str):
         )
         module = __import__(f"shipyard.data.{module_name}", fromlist=["x"])
         fn = getattr(module, f"run_{kind}")
-        return fn([str(docs)], out, cfg, read, default_workers(), False)
+        return fn([str(docs)], out, cfg, read, step_workers(), False)
 
     return run
 
@@ -74,7 +74,7 @@ def _tokenizer_train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
 def _tokenize(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.data import configs
-    from shipyard.data.stage import default_workers
+    from shipyard.data.stage import step_workers
     from shipyard.data.tokenize import run_tokenize
 
     docs, tok = _need("tokenize", inputs, "documents", "tokenizer")
@@ -82,7 +82,7 @@ def _tokenize(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     cfg = configs.build_schema(
         configs.TokenizeConfig, {k: v for k, v in config.items() if k != "read"}, "tokenize"
     )
-    return run_tokenize([str(docs)], out, str(tok), cfg, read, default_workers(), False)
+    return run_tokenize([str(docs)], out, str(tok), cfg, read, step_workers(), False)
 
 
 def _stage_configs(kind: str, schema_name: str, config: dict):
@@ -104,11 +104,11 @@ def _classifier_train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
 
 def _classify(out: Path, inputs: dict[str, Path], config: dict) -> dict:
     from shipyard.data.classifier import run_classify
-    from shipyard.data.stage import default_workers
+    from shipyard.data.stage import step_workers
 
     docs, model = _need("classify", inputs, "documents", "model")
     cfg, read = _stage_configs("classify", "ClassifyConfig", config)
-    return run_classify([str(docs)], out, model, cfg, read, default_workers(), False)
+    return run_classify([str(docs)], out, model, cfg, read, step_workers(), False)
 
 
 def _train(out: Path, inputs: dict[str, Path], config: dict) -> dict:
