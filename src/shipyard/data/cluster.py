@@ -14,7 +14,7 @@ evaluation n-gram sets) travels once per stage through Ray's object store.
 
 Ray retries a task whose node died (`max_retries`); a unit's output is a
 pure function of the unit, and a part is written whole before anyone may
-read it (`stage.write_part`), so a retried unit writes the same bytes.
+read it (`stage.publish_part`), so a retried unit writes the same bytes.
 """
 
 from __future__ import annotations
