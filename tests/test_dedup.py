@@ -101,3 +101,164 @@ def test_empty_documents_are_not_fuzzy_matched():
     cfg = DedupConfig()
     a, b = hash_params(cfg.num_perm, cfg.seed)
     assert (signature("", cfg, a, b) == np.uint32(0xFFFFFFFF)).all()
+
+
+def _chains_corpus(root, files=4, originals=60, seed=0):
+    """Originals with chains of copies of copies (each a few words changed), exact copies and empty
+    documents, shuffled across `files` input files: clusters span files, units and partitions."""
+    import random
+
+    rng = random.Random(seed)
+    docs = [[] for _ in range(files)]
+    for i in range(originals):
+        text = prose(seed * 1000 + i, rng.randint(40, 300))
+        docs[i % files].append((f"o{i}", text))
+        for k in range(rng.randint(0, 4)):
+            text = mutate(text, rng.choice([0.005, 0.01, 0.03, 0.1]), seed=1000 * i + k)
+            docs[rng.randrange(files)].append((f"c{i}-{k}", text))
+        if i % 7 == 0:
+            docs[rng.randrange(files)].append((f"x{i}", "  " + text.upper()))
+    docs[1 % files].append(("empty", ""))
+    paths = []
+    for f, part in enumerate(docs):
+        rng.shuffle(part)
+        paths.append(str(write_jsonl(root / f"in{f}.jsonl", [t for _, t in part], [d for d, _ in part])))
+    return paths
+
+
+def _reference(texts: list[str], ids: list[str], cfg: DedupConfig) -> dict:
+    """Dedup in one process, as the stage did before it was distributed: every key and signature in
+    memory, candidate pairs per band bucket (first member and predecessor), union-find."""
+    from shipyard.data.dedup import exact_key
+
+    a, b = hash_params(cfg.num_perm, cfg.seed)
+    n = len(texts)
+    sigs = np.stack([signature(t, cfg, a, b) for t in texts])
+    kept, examples = np.ones(n, bool), []
+    exact = fuzzy = candidates = similar_count = 0
+    if cfg.exact:
+        first = {}
+        for i, t in enumerate(texts):
+            j = first.setdefault(exact_key(t), i)
+            if j != i:
+                kept[i] = False
+                exact += 1
+                if len(examples) < cfg.max_examples // 2:
+                    examples.append((i, j, 1.0))
+    if cfg.fuzzy:
+        idx = np.flatnonzero(kept & (sigs[:, 0] != 0xFFFFFFFF))
+        pairs = set()
+        for band in range(cfg.bands):
+            buckets = {}
+            for i in idx:
+                buckets.setdefault(sigs[i, band * cfg.rows : (band + 1) * cfg.rows].tobytes(), []).append(
+                    int(i)
+                )
+            for members in buckets.values():
+                for pos in range(1, len(members)):
+                    pairs.add((members[0], members[pos]))
+                    pairs.add((members[pos - 1], members[pos]))
+        candidates = len(pairs)
+        parent = list(range(n))
+
+        def find(x):
+            while parent[x] != x:
+                x = parent[x]
+            return x
+
+        edge_of = {}
+        for i, j in sorted(pairs):
+            s = float((sigs[i] == sigs[j]).mean())
+            if s >= cfg.threshold:
+                similar_count += 1
+                edge_of[j] = (i, s)
+                ri, rj = find(i), find(j)
+                parent[max(ri, rj)] = min(ri, rj)
+        for i in np.flatnonzero(kept):
+            if find(int(i)) != i:
+                kept[i] = False
+                fuzzy += 1
+                if len(examples) < cfg.max_examples and int(i) in edge_of:
+                    examples.append((int(i), *edge_of[int(i)]))
+    return {
+        "kept": [ids[i] for i in np.flatnonzero(kept)],
+        "dropped": {"exact_duplicate": exact, "fuzzy_duplicate": fuzzy},
+        "candidate_pairs": candidates,
+        "similar_pairs": similar_count,
+        "removed_examples": [
+            {"removed": ids[i], "kept": ids[j], "jaccard_estimate": round(s, 3)} for i, j, s in examples
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DedupConfig(),
+        DedupConfig(threshold=0.3, bands=64, rows=2, max_examples=7),
+        DedupConfig(exact=False),
+        DedupConfig(fuzzy=False, max_examples=5),
+    ],
+    ids=["default", "loose", "fuzzy-only", "exact-only"],
+)
+def test_the_shuffled_dedup_decides_as_one_process_does(tmp_path, monkeypatch, cfg):
+    """Clusters spread over files, units and partitions: kept documents, counts and examples equal the
+    in-memory reference for 1, 3 and the default number of partitions."""
+    from shipyard.data import documents
+
+    monkeypatch.setattr(documents, "MIN_UNIT_BYTES", 20_000)
+    paths = _chains_corpus(tmp_path)
+    docs = list(read_documents(paths, ReadStats()))
+    want = _reference([d.text for d in docs], [d.id for d in docs], cfg)
+    assert want["dropped"]["fuzzy_duplicate"] > 20 or not cfg.fuzzy  # the corpus has clusters to find
+    results = {}
+    for partitions in (1, 3, None):
+        out = tmp_path / f"out-{partitions}"
+        stats = run_dedup(paths, out, cfg, ReadConfig(), workers=1, partitions=partitions)
+        assert len(stats["parts"]) > 8
+        assert [d.id for d in read_documents([out], ReadStats())] == want["kept"]
+        for key in ("dropped", "candidate_pairs", "similar_pairs", "removed_examples"):
+            assert stats[key] == want[key], key
+        assert sorted(p.name for p in out.iterdir()) == sorted(stats["parts"] + ["stats.json"])  # no scratch
+        results[partitions] = {p: (out / p).read_bytes() for p in stats["parts"]}
+    assert results[1] == results[3] == results[None]
+
+
+def test_components_find_every_cluster_and_its_smallest_member():
+    """Random graphs with long chains (many rounds) against a plain breadth-first search."""
+    import random
+    import tempfile
+
+    from shipyard.data import components, shuffle
+
+    rng = random.Random(5)
+    nodes = [(u << 32) | k for u in range(3) for k in range(60)]
+    edges = set()
+    for _ in range(3):  # chains in shuffled order: the worst case for label propagation
+        chain = rng.sample(nodes, 25)
+        edges.update(zip(chain, chain[1:]))
+    edges.update(tuple(rng.sample(nodes, 2)) for _ in range(30))
+    neighbours = {}
+    for x, y in edges:
+        neighbours.setdefault(x, set()).add(y)
+        neighbours.setdefault(y, set()).add(x)
+    want, seen = set(), set()
+    for start in neighbours:
+        if start in seen:
+            continue
+        comp, todo = set(), [start]
+        while todo:
+            v = todo.pop()
+            if v not in comp:
+                comp.add(v)
+                todo.extend(neighbours[v] - comp)
+        seen |= comp
+        want |= comp - {min(comp)}
+    for partitions in (1, 4):
+        with tempfile.TemporaryDirectory() as work:
+            x = np.array([e[0] for e in edges], np.uint64)
+            y = np.array([e[1] for e in edges], np.uint64)
+            components.write_edges(f"{work}/in/0.bin", x, y, partitions)
+            files = components.non_centres(work, [f"{work}/in/0.bin"], partitions, 3, workers=1)
+            got = {int(v) for u in range(3) for v in shuffle.gather(files, u, 3, components.NODE)["idx"]}
+        assert got == want

@@ -402,6 +402,17 @@ def run_units(
             yield result
 
 
+def run_tasks(desc: str, fn: Callable, items: list, workers: Workers) -> list:
+    """fn over `items` (tasks that are not input units: a shuffle's partitions) with a bar counting
+    tasks; the results in item order."""
+    with progress(desc=desc, unit="task", total=len(items)) as bar:
+        results = []
+        for r in pool_map(fn, items, workers):
+            bar.update(1)
+            results.append(r)
+        return results
+
+
 def part_name(index: int) -> str:
     return f"part-{index:05d}.jsonl.zst"
 

@@ -1,0 +1,256 @@
+"""The shuffles of `data dedup` (dedup.py): exact duplicates by their key, LSH bands by their value,
+candidate pairs verified where their two documents' signatures live, duplicate clusters by a
+distributed connected-components pass (components.py).
+
+Every step is a set of tasks (per work unit or per partition) that read and write files under
+the stage's scratch prefix (`Scratch`, inside the output being built, so a shared filesystem or a
+bucket the stage already writes to); the driver passes task numbers and folds counts. A document
+is named by its index `(unit << 32) | k` (its k-th document of unit `unit`), which orders
+documents as the input does, so "the first document of a cluster" is the smallest index.
+
+The result is the same as clustering everything in one process (tests/test_dedup.py checks it
+against that reference on corpora with chains of near-duplicates): exact duplicates join the first
+document with the same key; among the rest, documents equal on a whole band are candidates, each
+compared with its bucket's first member and with its predecessor; candidates whose estimated
+Jaccard similarity reaches the threshold are edges; each connected component keeps its first
+document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from shipyard.data import components, shuffle
+from shipyard.data.components import NODE, unit_of
+from shipyard.data.configs import DedupConfig
+from shipyard.data.stage import Workers, run_tasks
+
+LOW = np.uint64(0xFFFFFFFF)
+EMPTY = np.uint32(0xFFFFFFFF)  # the signature value of a document without words (dedup.minhash)
+
+EXACT = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("idx", "<u8")])
+PAIR = np.dtype([("i", "<u8"), ("j", "<u8")])
+REMOVED = np.dtype([("idx", "<u8"), ("first", "<u8")])
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where one dedup run's tasks exchange files, and the shape of its shuffles."""
+
+    root: str
+    """A directory every task can reach, or a bucket prefix; removed when the stage ends."""
+    units: int
+    """Work units of the input (map tasks of the unit-side steps)."""
+    partitions: int
+    """Reduce tasks of the key-, band- and node-partitioned shuffles."""
+
+    def ids(self, u: int) -> str:
+        return f"{self.root}/ids/{u:05d}.json"
+
+    def sig(self, u: int) -> str:
+        return f"{self.root}/sig/{u:05d}.npy"
+
+    def files(self, step: str, count: int) -> list[str]:
+        """The map-task files of one shuffle step."""
+        return [f"{self.root}/{step}/{t:05d}.bin" for t in range(count)]
+
+
+def index(u: int, n: int) -> np.ndarray:
+    return (np.uint64(u) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
+
+
+# -- exact duplicates: a shuffle by key -------------------------------------------------------------
+
+
+def write_exact_keys(scratch: Scratch, u: int, keys: list[bytes]) -> None:
+    """Map (in the sketch task): unit `u`'s exact keys, partitioned by key."""
+    records = np.zeros(len(keys), EXACT)
+    if keys:
+        words = np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2)
+        records["k0"], records["k1"] = words[:, 0], words[:, 1]
+    records["idx"] = index(u, len(keys))
+    part = (records["k0"] % np.uint64(scratch.partitions)).astype(np.int64)  # a key is a hash already
+    shuffle.write(scratch.files("exact", scratch.units)[u], records, part, scratch.partitions)
+
+
+def exact_task(item: tuple) -> dict:
+    """Reduce partition `p`: each key's first document stays; the others are written (with that
+    first one) partitioned by their unit."""
+    p, scratch, max_examples = item
+    rec = shuffle.gather(scratch.files("exact", scratch.units), p, scratch.partitions, EXACT)
+    rec = rec[np.lexsort((rec["idx"], rec["k1"], rec["k0"]))]
+    starts = np.ones(len(rec), bool)
+    starts[1:] = (rec["k0"][1:] != rec["k0"][:-1]) | (rec["k1"][1:] != rec["k1"][:-1])
+    first = rec["idx"][np.maximum.accumulate(np.where(starts, np.arange(len(rec)), 0))]
+    removed = np.zeros(int((~starts).sum()), REMOVED)
+    removed["idx"], removed["first"] = rec["idx"][~starts], first[~starts]
+    removed = removed[np.argsort(removed["idx"], kind="stable")]
+    shuffle.write(
+        scratch.files("exact-removed", scratch.partitions)[p], removed, unit_of(removed["idx"]), scratch.units
+    )
+    shown = [(int(r["idx"]), int(r["first"]), 1.0) for r in removed[:max_examples]]
+    return {"duplicates": len(removed), "examples": shown}
+
+
+def run_exact(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
+    """Exact duplicates: their count and the first `max_examples // 2` (removed, kept, 1.0) triples."""
+    shown = cfg.max_examples // 2
+    items = [(p, scratch, shown) for p in range(scratch.partitions)]
+    results = run_tasks("dedup: exact keys", exact_task, items, workers)
+    examples = sorted(e for r in results for e in r["examples"])[:shown]
+    return {"duplicates": sum(r["duplicates"] for r in results), "examples": examples}
+
+
+def exact_removed(scratch: Scratch, u: int) -> np.ndarray:
+    """Indices of unit `u`'s exact duplicates."""
+    files = scratch.files("exact-removed", scratch.partitions)
+    return shuffle.gather(files, u, scratch.units, REMOVED)["idx"]
+
+
+# -- fuzzy duplicates: bands, pairs, verification, components ---------------------------------------
+
+
+def band_task(item: tuple) -> dict:
+    """Map unit `u`: each alive, non-empty document's bands, partitioned by (band, value)."""
+    u, scratch, cfg = item
+    sig = shuffle.get_array(scratch.sig(u))
+    alive = sig[:, 0] != EMPTY if len(sig) else np.zeros(0, bool)
+    if cfg.exact:
+        alive[(exact_removed(scratch, u) & LOW).astype(np.int64)] = False
+    k = np.flatnonzero(alive)
+    dtype = band_dtype(cfg.rows)
+    records = np.zeros(len(k) * cfg.bands, dtype)
+    records["band"] = np.repeat(np.arange(cfg.bands, dtype=np.uint32), len(k))
+    # band-major: all of band 0's records, then band 1's, ... (as "band" and "idx" are laid out)
+    bands = sig[k, : cfg.bands * cfg.rows].reshape(len(k), cfg.bands, cfg.rows)
+    records["key"] = bands.transpose(1, 0, 2).reshape(-1, cfg.rows)
+    records["idx"] = np.tile(index(u, len(sig))[k], cfg.bands)
+    h = shuffle.mix64(records["band"].astype(np.uint64))
+    for r in range(cfg.rows):
+        h = shuffle.mix64(h ^ records["key"][:, r].astype(np.uint64))
+    part = (h % np.uint64(scratch.partitions)).astype(np.int64)
+    shuffle.write(scratch.files("bands", scratch.units)[u], records, part, scratch.partitions)
+    return {}
+
+
+def band_dtype(rows: int) -> np.dtype:
+    return np.dtype([("band", "<u4"), ("key", "<u4", (rows,)), ("idx", "<u8")])
+
+
+def bucket_task(item: tuple) -> dict:
+    """Reduce partition `q`: in each (band, value) bucket, in input order, every member is paired
+    with the bucket's first member and with its predecessor (enough to connect the bucket without
+    all m^2 pairs); pairs (i < j) are written partitioned by the unit of i."""
+    q, scratch, rows = item
+    rec = shuffle.gather(scratch.files("bands", scratch.units), q, scratch.partitions, band_dtype(rows))
+    keys = [rec["idx"]] + [rec["key"][:, r] for r in reversed(range(rows))] + [rec["band"]]
+    rec = rec[np.lexsort(keys)]
+    same = (rec["band"][1:] == rec["band"][:-1]) & np.all(rec["key"][1:] == rec["key"][:-1], axis=1)
+    members = rec["idx"]
+    starts = np.concatenate(([True], ~same))
+    first = members[np.maximum.accumulate(np.where(starts, np.arange(len(members)), 0))]
+    inner = ~starts
+    pairs = np.zeros(2 * int(inner.sum()), PAIR)
+    pairs["i"] = np.concatenate((members[:-1][same], first[inner]))
+    pairs["j"] = np.concatenate((members[1:][same], members[inner]))
+    shuffle.write(scratch.files("pairs", scratch.partitions)[q], pairs, unit_of(pairs["i"]), scratch.units)
+    return {}
+
+
+def half_dtype(num_perm: int) -> np.dtype:
+    return np.dtype([("i", "<u8"), ("j", "<u8"), ("sig", "<u4", (num_perm,))])
+
+
+def verify_i_task(item: tuple) -> dict:
+    """Unit `u`, where the pairs' first documents live: the distinct pairs (every copy of a pair came
+    here), sent on with the first document's signature to the unit of the second."""
+    u, scratch, num_perm = item
+    pairs = shuffle.gather(scratch.files("pairs", scratch.partitions), u, scratch.units, PAIR)
+    ij = (
+        np.unique(np.stack([pairs["i"], pairs["j"]], axis=1), axis=0)
+        if len(pairs)
+        else np.zeros((0, 2), np.uint64)
+    )
+    half = np.zeros(len(ij), half_dtype(num_perm))
+    half["i"], half["j"] = ij[:, 0], ij[:, 1]
+    if len(ij):
+        half["sig"] = shuffle.get_array(scratch.sig(u))[(ij[:, 0] & LOW).astype(np.int64)]
+    shuffle.write(scratch.files("half", scratch.units)[u], half, unit_of(half["j"]), scratch.units)
+    return {"candidate_pairs": len(ij)}
+
+
+PARTNER = np.dtype([("j", "<u8"), ("i", "<u8"), ("jaccard", "<f8")])
+
+
+def verify_j_task(item: tuple) -> dict:
+    """Unit `u`, where the pairs' second documents live: estimated Jaccard similarity; the similar
+    pairs become the graph's edges, and each second document's most recent similar partner (the
+    largest i) is kept for the examples."""
+    u, scratch, num_perm, threshold = item
+    half = shuffle.gather(scratch.files("half", scratch.units), u, scratch.units, half_dtype(num_perm))
+    half = half[np.lexsort((half["j"], half["i"]))]  # (i, j) order, as one sorted pair list
+    if len(half):
+        sig = shuffle.get_array(scratch.sig(u))
+        jac = (half["sig"] == sig[(half["j"] & LOW).astype(np.int64)]).mean(axis=1)
+    else:
+        jac = np.zeros(0)
+    similar = jac >= threshold
+    i, j = half["i"][similar], half["j"][similar]
+    components.write_edges(scratch.files("cc0", scratch.units)[u], i, j, scratch.partitions)
+    # for each j, the last similar pair in (i, j) order: the largest i
+    order = np.lexsort((i, j))
+    last = np.concatenate((j[order][1:] != j[order][:-1], [True])) if len(order) else np.zeros(0, bool)
+    partner = np.zeros(int(last.sum()), PARTNER)
+    partner["j"], partner["i"], partner["jaccard"] = j[order][last], i[order][last], jac[similar][order][last]
+    shuffle.put_array(f"{scratch.root}/partner/{u:05d}.npy", partner)
+    return {"similar_pairs": int(similar.sum())}
+
+
+def run_fuzzy(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
+    """Bands, buckets, the two verification hops and the components: the candidate and similar
+    pair counts (the non-centre files are where `fuzzy_removed` reads)."""
+    U, P = scratch.units, scratch.partitions
+    run_tasks("dedup: bands", band_task, [(u, scratch, cfg) for u in range(U)], workers)
+    run_tasks("dedup: buckets", bucket_task, [(q, scratch, cfg.rows) for q in range(P)], workers)
+    first = run_tasks("dedup: pairs", verify_i_task, [(u, scratch, cfg.num_perm) for u in range(U)], workers)
+    items = [(u, scratch, cfg.num_perm, cfg.threshold) for u in range(U)]
+    second = run_tasks("dedup: similarity", verify_j_task, items, workers)
+    removed = components.non_centres(scratch.root, scratch.files("cc0", U), P, U, workers)
+    shuffle.put(f"{scratch.root}/non-centres.json", json.dumps(removed).encode())
+    return {
+        "candidate_pairs": sum(r["candidate_pairs"] for r in first),
+        "similar_pairs": sum(r["similar_pairs"] for r in second),
+    }
+
+
+def fuzzy_removed(scratch: Scratch, u: int) -> np.ndarray:
+    """Sorted indices of unit `u`'s fuzzy duplicates (documents not first in their cluster)."""
+    files = json.loads(shuffle.get(f"{scratch.root}/non-centres.json"))
+    return np.sort(shuffle.gather(files, u, scratch.units, NODE)["idx"])
+
+
+def fuzzy_examples(scratch: Scratch, u: int, removed: np.ndarray, limit: int) -> list[tuple]:
+    """Unit `u`'s first `limit` fuzzy duplicates that have a similar partner, as (removed, partner,
+    jaccard) index triples."""
+    partner = shuffle.get_array(f"{scratch.root}/partner/{u:05d}.npy")
+    at = np.minimum(np.searchsorted(partner["j"], removed), len(partner) - 1)
+    found = partner["j"][at] == removed if len(partner) else np.zeros(len(removed), bool)
+    rows = partner[at[found][:limit]]
+    return [(int(r["j"]), int(r["i"]), float(r["jaccard"])) for r in rows]
+
+
+def name_examples(scratch: Scratch, examples: list[tuple]) -> list[dict]:
+    """stats.json's removed_examples: the index triples with the documents' ids (read from the few
+    units they are in)."""
+    ids: dict[int, list] = {}
+
+    def id_of(idx: int) -> str:
+        u = idx >> 32
+        if u not in ids:
+            ids[u] = json.loads(shuffle.get(scratch.ids(u)))
+        return ids[u][idx & 0xFFFFFFFF]
+
+    return [{"removed": id_of(i), "kept": id_of(j), "jaccard_estimate": round(s, 3)} for i, j, s in examples]
