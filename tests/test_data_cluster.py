@@ -137,3 +137,86 @@ def test_an_address_without_a_cluster_is_one_line(tmp_path):
     )
     assert r.returncode != 0 and not (tmp_path / "f").exists()
     assert "no Ray cluster answers there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def _extra_node(ray_address: str, cwd: Path) -> int:
+    """Another one-CPU worker node; the pid of its raylet (to kill)."""
+    cwd.mkdir()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    before = set(subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split())
+    node = [RAY, "start", f"--address={ray_address}", "--num-cpus=1", "--disable-usage-stats"]
+    subprocess.run(node, check=True, capture_output=True, timeout=180, env=env, cwd=cwd)
+    after = set(subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split())
+    (pid,) = after - before
+    return int(pid)
+
+
+def _busy(raylet: int) -> bool:
+    """Whether a worker process of that raylet's node is running a unit task right now (Ray titles
+    a worker `ray::<function>` while it runs one, `ray::IDLE` otherwise)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != raylet:
+                continue
+            if (stat.parent / "cmdline").read_bytes().startswith(b"ray::_run_unit"):
+                return True
+        except (OSError, IndexError, ValueError):
+            continue
+    return False
+
+
+def _kill_when(proc: subprocess.Popen, ready, raylet: int) -> None:
+    """SIGKILL `raylet` as soon as `ready()` holds and its node runs a unit task, while `proc` (the
+    stage) still runs: a task is always lost, and Ray must run it again elsewhere."""
+    import signal
+    import time
+
+    deadline = time.time() + 300
+    while not (ready() and _busy(raylet)):
+        assert proc.poll() is None, "the stage ended before the node could be killed"
+        assert time.time() < deadline
+        time.sleep(0.002)
+    os.kill(raylet, signal.SIGKILL)
+
+
+def _many_units(d: Path) -> list[str]:
+    """Six inputs over 1 MB each (six work units), near-duplicates planted across them."""
+    names = []
+    for f in range(6):
+        texts = [prose(1000 * f + s, words=400) for s in range(420)]
+        texts += [mutate(prose(s, words=400), 0.02, 7 + f) for s in range(0, 60, f + 1)]
+        names.append(write_jsonl(d / f"in{f}.jsonl", texts).name)
+    return names
+
+
+def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_nothing(ray_address, tmp_path):
+    """SIGKILL a worker node's raylet once dedup's shuffle has begun, and another's once tokenize
+    has written its first shard: Ray reruns the lost tasks elsewhere and every output file equals the
+    local run's."""
+    inputs = _many_units(tmp_path)
+    env = {"RAY_AUTH_MODE": "disabled"}
+    local = _shipyard("data", "dedup", *inputs, "--out", "local", "--workers", "2", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    raylet = _extra_node(ray_address, tmp_path / "node3")
+    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", "onray", "--ray", ray_address]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    _kill_when(proc, lambda: (tmp_path / ".onray.partial" / "_dedup" / "bands").exists(), raylet)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert json.loads((tmp_path / "local" / "stats.json").read_text())["dropped"]["fuzzy_duplicate"] >= 50
+    _same_output(tmp_path / "local", tmp_path / "onray")
+
+    tok = _shipyard(
+        "data", "tokenizer-train", "local", "--out", "tok", "--set", "vocab_size=300", cwd=tmp_path
+    )
+    assert tok.returncode == 0, tok.stderr
+    shard = ["--tokenizer", "tok", "--set", "shard_tokens=20000"]
+    local = _shipyard("data", "tokenize", "local", "--out", "shards", "--workers", "2", *shard, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    raylet = _extra_node(ray_address, tmp_path / "node4")
+    cmd = [SHIPYARD, "data", "tokenize", "local", "--out", "rayshards", "--ray", ray_address, *shard]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    _kill_when(proc, lambda: any(tmp_path.glob(".rayshards.tmp-*/shard-*.npy")), raylet)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    _same_output(tmp_path / "shards", tmp_path / "rayshards")

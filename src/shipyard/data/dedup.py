@@ -36,6 +36,7 @@ from shipyard.data.configs import DedupConfig, ReadConfig
 from shipyard.data.dedup_steps import EMPTY, LOW
 from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.ngrams import ngram_hashes
+from shipyard.data.resume import header
 from shipyard.data.stage import (
     DocWriter,
     StageStats,
@@ -107,13 +108,14 @@ def sketch_unit(item: tuple) -> dict:
             keys.append(exact_key(doc.text))
         if cfg.fuzzy:
             sigs.append(signature(doc.text, cfg, a, b))
-    shuffle.put(scratch.ids(u), json.dumps(ids, ensure_ascii=False).encode("utf-8"))
+    files = {scratch.ids(u): shuffle.put(scratch.ids(u), json.dumps(ids, ensure_ascii=False).encode("utf-8"))}
     if cfg.fuzzy:
         sig = np.stack(sigs) if sigs else np.zeros((0, cfg.num_perm), np.uint32)
-        shuffle.put_array(scratch.sig(u), sig)
+        files[scratch.sig(u)] = shuffle.put_array(scratch.sig(u), sig)
     if cfg.exact:
-        steps.write_exact_keys(scratch, u, keys)
-    return {"n": len(ids), "read": read, "documents_in": len(ids), "bytes_in": read.bytes}
+        files[scratch.files("exact", scratch.units)[u]] = steps.write_exact_keys(scratch, u, keys)
+    files = {scratch.relative(path): digest for path, digest in files.items()}
+    return {"n": len(ids), "read": read, "documents_in": len(ids), "bytes_in": read.bytes, "files": files}
 
 
 def write_unit(item: tuple) -> dict:
@@ -165,40 +167,41 @@ def run_dedup(
     inputs = [str(p) for p in inputs]
     units = plan(inputs)
     stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
-    with stage_output(out, overwrite, "dedup", workers) as dest:
+    run = header("dedup", [storage.redact(i) for i in inputs], stats.config, units)
+    with stage_output(out, overwrite, "dedup", workers, run) as dest:
         scratch = steps.Scratch(
-            str(storage.join(dest.parts, "_dedup")), len(units), partitions or partitions_for(len(units))
+            str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(len(units))
         )
-        try:
-            counts = []
-            items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
-            for r in run_units("dedup: sketch", units, sketch_unit, items, workers, _init, (cfg,)):
-                stats.add(r)
-                counts.append(r["n"])
-            check_bad_fraction(stats.read, read.max_bad_fraction, "data dedup")
-            exact = steps.run_exact(scratch, cfg, workers) if cfg.exact else {"duplicates": 0, "examples": []}
-            fuzzy = (
-                steps.run_fuzzy(scratch, cfg, workers)
-                if cfg.fuzzy
-                else {"candidate_pairs": 0, "similar_pairs": 0}
-            )
-            items = (
-                (u, unit, dest.parts, read.text_field, counts[u], scratch, cfg)
-                for u, unit in enumerate(units)
-            )
-            parts, fuzzy_examples, fuzzy_duplicates = [], [], 0
-            for r in run_units("dedup: write", units, write_unit, items, workers):
-                stats.documents_out += r["documents_out"]
-                stats.bytes_out += r["bytes_out"]
-                fuzzy_duplicates += r["fuzzy_duplicates"]
-                fuzzy_examples.extend(r["examples"][: cfg.max_examples])
-                dest.add(r)
-                if r["part"]:
-                    parts.append(r["part"])
-            examples = exact["examples"] + fuzzy_examples[: cfg.max_examples - len(exact["examples"])]
-            removed_examples = steps.name_examples(scratch, examples)
-        finally:
-            storage.remove(scratch.root)
+        counts = []
+        items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
+        for r in run_units(
+            "dedup: sketch", units, sketch_unit, items, workers, _init, (cfg,), dest.journal("sketch")
+        ):
+            stats.add(r)
+            counts.append(r["n"])
+        check_bad_fraction(stats.read, read.max_bad_fraction, "data dedup")
+        exact = steps.run_exact(scratch, cfg, workers) if cfg.exact else {"duplicates": 0, "examples": []}
+        fuzzy = (
+            steps.run_fuzzy(scratch, cfg, workers)
+            if cfg.fuzzy
+            else {"candidate_pairs": 0, "similar_pairs": 0}
+        )
+        items = (
+            (u, unit, dest.parts, read.text_field, counts[u], scratch, cfg) for u, unit in enumerate(units)
+        )
+        parts, fuzzy_examples, fuzzy_duplicates = [], [], 0
+        for r in run_units("dedup: write", units, write_unit, items, workers, journal=dest.journal("write")):
+            stats.documents_out += r["documents_out"]
+            stats.bytes_out += r["bytes_out"]
+            fuzzy_duplicates += r["fuzzy_duplicates"]
+            fuzzy_examples.extend(r["examples"][: cfg.max_examples])
+            dest.add(r)
+            if r["part"]:
+                parts.append(r["part"])
+        examples = exact["examples"] + fuzzy_examples[: cfg.max_examples - len(exact["examples"])]
+        removed_examples = steps.name_examples(scratch, examples)
+        # kept when the run is cut off: a resumed run's finished sketches still stand on them
+        storage.remove(scratch.root)
         stats.dropped.update({"exact_duplicate": exact["duplicates"], "fuzzy_duplicate": fuzzy_duplicates})
         stats.extra.update(
             candidate_pairs=fuzzy["candidate_pairs"],

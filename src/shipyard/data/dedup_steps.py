@@ -40,12 +40,21 @@ REMOVED = np.dtype([("idx", "<u8"), ("first", "<u8")])
 class Scratch:
     """Where one dedup run's tasks exchange files, and the shape of its shuffles."""
 
-    root: str
-    """A directory every task can reach, or a bucket prefix; removed when the stage ends."""
+    stage_dir: str
+    """The output being built (`StageDir.parts`): a directory every task can reach, or a bucket
+    prefix. The files go under its `_dedup/`, removed before the output is published."""
     units: int
     """Work units of the input (map tasks of the unit-side steps)."""
     partitions: int
     """Reduce tasks of the key-, band- and node-partitioned shuffles."""
+
+    @property
+    def root(self) -> str:
+        return f"{self.stage_dir}/{SCRATCH}"
+
+    def relative(self, path: str) -> str:
+        """`path` relative to the stage directory (as a resume journal lists it)."""
+        return path[len(self.stage_dir) + 1 :]
 
     def ids(self, u: int) -> str:
         return f"{self.root}/ids/{u:05d}.json"
@@ -58,6 +67,9 @@ class Scratch:
         return [f"{self.root}/{step}/{t:05d}.bin" for t in range(count)]
 
 
+SCRATCH = "_dedup"
+
+
 def index(u: int, n: int) -> np.ndarray:
     return (np.uint64(u) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
 
@@ -65,15 +77,15 @@ def index(u: int, n: int) -> np.ndarray:
 # -- exact duplicates: a shuffle by key -------------------------------------------------------------
 
 
-def write_exact_keys(scratch: Scratch, u: int, keys: list[bytes]) -> None:
-    """Map (in the sketch task): unit `u`'s exact keys, partitioned by key."""
+def write_exact_keys(scratch: Scratch, u: int, keys: list[bytes]) -> str:
+    """Map (in the sketch task): unit `u`'s exact keys, partitioned by key; the file's sha256."""
     records = np.zeros(len(keys), EXACT)
     if keys:
         words = np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2)
         records["k0"], records["k1"] = words[:, 0], words[:, 1]
     records["idx"] = index(u, len(keys))
     part = (records["k0"] % np.uint64(scratch.partitions)).astype(np.int64)  # a key is a hash already
-    shuffle.write(scratch.files("exact", scratch.units)[u], records, part, scratch.partitions)
+    return shuffle.write(scratch.files("exact", scratch.units)[u], records, part, scratch.partitions)
 
 
 def exact_task(item: tuple) -> dict:

@@ -15,6 +15,7 @@ before every map task of its round has finished.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from pathlib import Path
@@ -36,17 +37,19 @@ def mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def put(path: str, data: bytes) -> None:
+def put(path: str, data: bytes) -> str:
     """One whole file or object at `path` (a local path: written beside and renamed, so a reader
-    never sees part of it)."""
+    never sees part of it); its sha256."""
+    digest = hashlib.sha256(data).hexdigest()
     if storage.is_url(path):
         storage.write_bytes(path, data)
-        return
+        return digest
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, target)
+    return digest
 
 
 def get(path: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -60,12 +63,13 @@ def get(path: str, start: int | None = None, end: int | None = None) -> bytes:
         return f.read(end - start)
 
 
-def write(path: str, records: np.ndarray, partition: np.ndarray, partitions: int) -> None:
-    """Records (a structured array) into `partitions` slices: record k goes to `partition[k]`."""
+def write(path: str, records: np.ndarray, partition: np.ndarray, partitions: int) -> str:
+    """Records (a structured array) into `partitions` slices: record k goes to `partition[k]`; the
+    file's sha256."""
     order = np.argsort(partition, kind="stable")  # stable: a partition keeps the records' order
     counts = np.bincount(partition, minlength=partitions)
     offsets = np.concatenate(([0], np.cumsum(counts))).astype(OFFSET)
-    put(path, offsets.tobytes() + records[order].tobytes())
+    return put(path, offsets.tobytes() + records[order].tobytes())
 
 
 def read_partition(path: str, p: int, partitions: int, dtype: np.dtype) -> np.ndarray:
@@ -84,11 +88,11 @@ def gather(paths: list[str], p: int, partitions: int, dtype: np.dtype) -> np.nda
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def put_array(path: str, array: np.ndarray) -> None:
+def put_array(path: str, array: np.ndarray) -> str:
     """A plain array as an .npy file (numpy's own format, no pickle)."""
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
-    put(path, buf.getvalue())
+    return put(path, buf.getvalue())
 
 
 def get_array(path: str) -> np.ndarray:

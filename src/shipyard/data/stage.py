@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import Counter, deque
@@ -51,9 +52,10 @@ from shipyard.data.documents import (
     plan_units,
     read_unit,
 )
+from shipyard.data.resume import RESUME, Journal, file_sha256, header, open_partial
 from shipyard.data.sources import STAGE_TAG
-from shipyard.errors import DataError
-from shipyard.output import atomic_dir, progress, write_json
+from shipyard.errors import DataError, ShipyardError
+from shipyard.output import atomic_dir, progress, refuse_existing, write_json
 
 BATCH_DOCS = 256
 BATCH_BYTES = 4 << 20
@@ -153,6 +155,12 @@ class StageDir:
     parts: str
     uploaded: dict[str, dict] = field(default_factory=dict)
     """Parts the workers uploaded to `parts` (a URL): name -> {bytes, sha256}, for the marker."""
+    resumable: bool = False
+    """Whether `local` is a partial output whose finished units are journaled (resume.py)."""
+
+    def journal(self, name: str = "units") -> Journal | None:
+        """The journal of pass `name` (for `run_units`), or None when this output is not resumable."""
+        return Journal(self.local, name) if self.resumable else None
 
     def add(self, result: dict) -> None:
         """Note a unit's uploaded part (its result's `uploaded` entry)."""
@@ -160,14 +168,21 @@ class StageDir:
 
 
 @contextlib.contextmanager
-def stage_output(out: str | Path, overwrite: bool, stage: str, workers: Workers = 1) -> Iterator[StageDir]:
+def stage_output(
+    out: str | Path, overwrite: bool, stage: str, workers: Workers = 1, run: dict | None = None
+) -> Iterator[StageDir]:
     """Where to write data stage `stage`'s output; it becomes `out` when the block completes:
     `output.atomic_dir` for a local `out`; for a URL, a local staging directory published to it
     (`publish_output`). With a Ray cluster and a URL, the parts go straight to the URL from the
     tasks: the old marker and objects are removed and the stage tag written first (a reader then
     refuses the prefix until the marker comes, last). An existing `out` is a data error unless
-    --overwrite."""
+    --overwrite. Given `run` (a `resume.header`), a local `out` is built in a partial directory
+    that a rerun of the same run resumes (resume.py)."""
     storage.check_scheme(out, f"data {stage} --out")
+    if not storage.is_url(out) and run is not None:
+        with resumable_dir(storage.local(out), f"data {stage}", overwrite, run) as tmp:
+            yield StageDir(tmp, str(tmp.resolve()), resumable=True)
+        return
     if not storage.is_url(out):
         with atomic_dir(
             storage.local(out), f"data {stage}", overwrite=overwrite, hint=HINT, error=DataError
@@ -190,6 +205,26 @@ def stage_output(out: str | Path, overwrite: bool, stage: str, workers: Workers 
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def resumable_dir(out: Path, what: str, overwrite: bool, run: dict) -> Iterator[Path]:
+    """`output.atomic_dir`, but built in `resume.partial_dir(out)`: kept when the run is cut off
+    (killed, interrupted, a crash) so the next one resumes it; removed on a data error (bad input
+    or settings: a rerun must change something anyway)."""
+    if not overwrite:
+        refuse_existing(out, what, hint=HINT, error=DataError)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = open_partial(out, run, overwrite, what)
+    try:
+        yield partial
+    except ShipyardError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(partial / RESUME)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+
+
 def output_exists(url: str) -> bool:
     """Whether anything is at output URL `url`: a publication (complete or not) or any object."""
     return storage.is_published(url) or bool(storage.list_files(url)) or storage.exists(url)
@@ -202,7 +237,8 @@ def publish_output(local_dir: Path, url: str, stage: str, uploaded: dict[str, di
     tasks already put at `url` (after `unpublish`), listed in the marker and kept."""
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
     listing = {
-        p.relative_to(local_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+        p.relative_to(local_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in files
     }
     listing = dict(sorted({**listing, **(uploaded or {})}.items()))
     tag = {"stage": stage, "shipyard_version": __version__}
@@ -221,14 +257,6 @@ def unpublish(url: str, stage: str) -> None:
     storage.write_bytes(str(storage.join(url, STAGE_TAG)), json.dumps(tag).encode())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def config_record(read, **sections) -> dict:
     """What a stage records as its config in stats.json (and what `data prepare` compares to skip it)."""
     out = {
@@ -244,6 +272,9 @@ class DocWriter:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        # written beside and renamed on close: a reader (or a rerun after this process was killed)
+        # never takes a part cut short for a whole one
+        self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._file = self._writer = None
         self.written = False
 
@@ -257,7 +288,7 @@ class DocWriter:
         if self._writer is None:
             import zstandard
 
-            self._file = open(self.path, "wb")  # noqa: SIM115
+            self._file = open(self._partial, "wb")  # noqa: SIM115
             self._writer = zstandard.ZstdCompressor(level=3).stream_writer(self._file, closefd=False)
             self.written = True
         line = json.dumps({"id": doc.id, "source": doc.source, "text": doc.text}, ensure_ascii=False) + "\n"
@@ -269,6 +300,7 @@ class DocWriter:
             self._writer.close()  # ends the zstd frame
             self._file.close()
             self._writer = self._file = None
+            os.replace(self._partial, self.path)
 
 
 def part_path(dest: str, index: int) -> Path:
@@ -286,7 +318,7 @@ def publish_part(path: Path, written: bool, dest: str) -> dict:
     the local copy removed."""
     name = path.name if written else None
     if not storage.is_url(dest):
-        return {"part": name}
+        return {"part": name, "files": {name: file_sha256(path)} if name else {}}
     try:
         if name is None:
             return {"part": None, "uploaded": {}}
@@ -394,10 +426,25 @@ def run_units(
     workers: Workers,
     initializer: Callable | None = None,
     initargs: tuple = (),
+    journal: Journal | None = None,
 ) -> Iterator:
-    """fn over per-unit items with a progress bar advanced by each unit's input size."""
+    """fn over per-unit items with a progress bar advanced by each unit's input size. With a
+    `journal` (`StageDir.journal`), units a cut-off earlier run finished are not run again: their
+    recorded results come back in their place, and each new result is recorded."""
+    items = list(items)
+    done = {i: r for i in range(len(items)) if journal and (r := journal.done(i)) is not None}
+    if done:
+        print(f"data {stage}: resuming: {len(done)} of {len(items)} units already done", file=sys.stderr)
+    todo = [item for i, item in enumerate(items) if i not in done]
+    fresh = pool_map(fn, todo, workers, initializer, initargs)
     with progress_bytes(stage, sum(u.size for u in units)) as bar:
-        for unit, result in zip(units, pool_map(fn, items, workers, initializer, initargs)):
+        for i, unit in enumerate(units):
+            if i in done:
+                result = done[i]
+            else:
+                result = next(fresh)
+                if journal is not None:
+                    journal.record(i, result)
             bar.update(unit.size)
             yield result
 
@@ -474,11 +521,13 @@ def run_document_stage(
     units = plan(inputs)
     stats = StageStats(stage, inputs, config_record(read, **{stage: cfg}), workers, max_examples=max_examples)
     text_field = read.text_field
-    with stage_output(out, overwrite, stage, workers) as dest:
+    run = header(stage, [storage.redact(i) for i in inputs], stats.config, units)
+    with stage_output(out, overwrite, stage, workers, run) as dest:
         tmp = dest.local
         items = ((i, u, dest.parts, text_field, worker) for i, u in enumerate(units))
         parts = []
-        for r in run_units(stage, units, document_unit, items, workers, initializer, initargs):
+        journal = dest.journal()
+        for r in run_units(stage, units, document_unit, items, workers, initializer, initargs, journal):
             stats.add(r)
             dest.add(r)
             if r["part"]:
