@@ -244,6 +244,10 @@ CASES = [
     C("tiny vocab", lambda t, w: ["data", "tokenizer-train", str(w.docs), "--out", str(t / "o"), "--set", "vocab_size=10"], CONFIG, "vocab_size"),
     C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "exists"),
     C("input scheme", lambda t, w: ["data", "filter", "htp://bucket/docs.jsonl", "--out", str(t / "o")], DATA, "scheme 'htp'"),
+    C("ray address shape", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--ray", "headnode"], DATA, "expected host:port"),
+    C("ray address dead", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--ray", _dead_address()], DATA, "no ray cluster answers"),
+    C("ray and workers", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--ray", "local", "--workers", "2"], CONFIG, "not allowed with"),
+    C("resumed with other settings", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(_partial_dedup(t, w)), "--set", "threshold=0.7"], DATA, "threshold: 0.8 -> 0.7"),
     C("missing input object", lambda t, w: ["data", "filter", "memory://shipyard-bad/none.jsonl", "--out", str(t / "o")], DATA, "none.jsonl: no such object or prefix"),
     C("unpublished input prefix", lambda t, w: ["data", "dedup", _half_published(), "--out", str(t / "o")], DATA, "not a complete stage output (no _success)"),
     C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
@@ -397,6 +401,24 @@ def _no_checkpoints(t: Path, w: World) -> Path:
     shutil.rmtree(run / "checkpoints")
     (run / "checkpoints").mkdir()
     return run
+
+
+def _dead_address() -> str:
+    from shipyard.parallel.launch import free_port
+
+    return f"127.0.0.1:{free_port()}"
+
+
+def _partial_dedup(t: Path, w: World) -> Path:
+    """An output a dedup with the default settings was building when it was cut off."""
+    from shipyard.data.configs import DedupConfig, ReadConfig
+    from shipyard.data.resume import header, open_partial
+    from shipyard.data.stage import config_record, plan
+
+    out = t / "o"
+    config = config_record(ReadConfig(), dedup=DedupConfig())
+    open_partial(out, header("dedup", [str(w.docs)], config, plan([str(w.docs)])), False, "data dedup")
+    return out
 
 
 def _snapshot(*roots: Path) -> dict[str, str]:

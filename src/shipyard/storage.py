@@ -142,6 +142,11 @@ def retrying(fn: Callable[[], T], what: str, retry: Retry = DEFAULT_RETRY, log=N
                 raise
             if isinstance(e, FileNotFoundError):
                 raise StorageError(f"{what}: not found") from e
+            if type(e).__name__ == "NoCredentialsError":  # botocore: nothing in env, ~/.aws or metadata
+                raise StorageError(
+                    f"{what}: no credentials for the bucket; set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) where the stage is started: its tasks get them from there"
+                ) from e
             if not _transient(e) or attempt == retry.attempts:
                 tries = f" after {attempt} tries" if attempt > 1 else ""
                 raise StorageError(

@@ -20,6 +20,7 @@ read it (`stage.publish_part`), so a retried unit writes the same bytes.
 from __future__ import annotations
 
 import os
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -151,10 +152,13 @@ def _result(ray, ref, cluster: RayCluster):
         cause = getattr(e, "cause", None)
         if isinstance(cause, ShipyardError):
             raise cause from None
-        if isinstance(cause, ModuleNotFoundError):
+        # a task's arguments (the stage's functions and config) that a worker cannot unpickle come
+        # as a RaySystemError whose text names the missing module
+        missing = cause.name if isinstance(cause, ModuleNotFoundError) else _missing_module(str(e))
+        if missing:
             raise DataError(
-                f"{cluster}: a worker cannot import {cause.name!r} ({cause}); install shipyard and its "
-                "data dependencies on every node"
+                f"{cluster}: a worker cannot import {missing!r} (No module named {missing!r}); install "
+                "shipyard and its data dependencies on every node"
             ) from None
         if isinstance(cause, (FileNotFoundError, PermissionError)):
             raise DataError(
@@ -162,3 +166,8 @@ def _result(ray, ref, cluster: RayCluster):
                 "every node needs the stage's inputs and outputs on a shared filesystem or a bucket"
             ) from None
         raise
+
+
+def _missing_module(text: str) -> str | None:
+    found = re.search(r"No module named '([^']+)'", text)
+    return found[1] if found else None
