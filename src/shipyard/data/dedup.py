@@ -144,13 +144,15 @@ def write_unit(item: tuple) -> dict:
     return out
 
 
-def partitions_for(units: int) -> int:
-    """Shuffle partitions: one per unit up to a cap. The output does not depend on the number (a
-    test checks); it only sizes each reduce task's share."""
-    return max(1, min(units, MAX_PARTITIONS))
+def partitions_for(units: list) -> int:
+    """Shuffle partitions: one per unit up to 512, and more for a corpus over 3 TB, so that a
+    reduce task's share of the band records (about a sixth of the input's bytes with the default
+    16 bands) stays near 1 GB. The output does not depend on the number (a test checks)."""
+    total = sum(u.size for u in units)
+    return max(1, min(len(units), 512), -(-total // PARTITION_INPUT_BYTES))
 
 
-MAX_PARTITIONS = 512
+PARTITION_INPUT_BYTES = 6 << 30
 
 
 def run_dedup(
@@ -170,7 +172,7 @@ def run_dedup(
     run = header("dedup", [storage.redact(i) for i in inputs], stats.config, units)
     with stage_output(out, overwrite, "dedup", workers, run) as dest:
         scratch = steps.Scratch(
-            str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(len(units))
+            str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(units)
         )
         counts = []
         items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))

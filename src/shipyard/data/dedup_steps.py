@@ -56,6 +56,17 @@ class Scratch:
         """`path` relative to the stage directory (as a resume journal lists it)."""
         return path[len(self.stage_dir) + 1 :]
 
+    @property
+    def groups(self) -> int:
+        """Tasks of the two verification hops, each over a contiguous range of units (where the
+        signatures it needs are): a shuffle between the hops is then groups x groups ranged reads,
+        not units x units."""
+        return min(self.units, self.partitions)
+
+    def group_of(self, idx: np.ndarray) -> np.ndarray:
+        """The verification group of each document index."""
+        return unit_of(idx) * self.groups // self.units
+
     def ids(self, u: int) -> str:
         return f"{self.root}/ids/{u:05d}.json"
 
@@ -168,7 +179,8 @@ def bucket_task(item: tuple) -> dict:
     pairs = np.zeros(2 * int(inner.sum()), PAIR)
     pairs["i"] = np.concatenate((members[:-1][same], first[inner]))
     pairs["j"] = np.concatenate((members[1:][same], members[inner]))
-    shuffle.write(scratch.files("pairs", scratch.partitions)[q], pairs, unit_of(pairs["i"]), scratch.units)
+    target = scratch.files("pairs", scratch.partitions)[q]
+    shuffle.write(target, pairs, scratch.group_of(pairs["i"]), scratch.groups)
     return {}
 
 
@@ -176,11 +188,21 @@ def half_dtype(num_perm: int) -> np.dtype:
     return np.dtype([("i", "<u8"), ("j", "<u8"), ("sig", "<u4", (num_perm,))])
 
 
+def signatures(scratch: Scratch, idx: np.ndarray, num_perm: int) -> np.ndarray:
+    """[len(idx), num_perm] signatures of the documents `idx`, read unit file by unit file."""
+    out = np.zeros((len(idx), num_perm), np.uint32)
+    units = unit_of(idx)
+    for u in np.unique(units):
+        rows = units == u
+        out[rows] = shuffle.get_array(scratch.sig(int(u)))[(idx[rows] & LOW).astype(np.int64)]
+    return out
+
+
 def verify_i_task(item: tuple) -> dict:
-    """Unit `u`, where the pairs' first documents live: the distinct pairs (every copy of a pair came
-    here), sent on with the first document's signature to the unit of the second."""
-    u, scratch, num_perm = item
-    pairs = shuffle.gather(scratch.files("pairs", scratch.partitions), u, scratch.units, PAIR)
+    """Group `g`, where the pairs' first documents live: the distinct pairs (every copy of a pair came
+    here), sent on with the first document's signature to the group of the second."""
+    g, scratch, num_perm = item
+    pairs = shuffle.gather(scratch.files("pairs", scratch.partitions), g, scratch.groups, PAIR)
     ij = (
         np.unique(np.stack([pairs["i"], pairs["j"]], axis=1), axis=0)
         if len(pairs)
@@ -188,9 +210,9 @@ def verify_i_task(item: tuple) -> dict:
     )
     half = np.zeros(len(ij), half_dtype(num_perm))
     half["i"], half["j"] = ij[:, 0], ij[:, 1]
-    if len(ij):
-        half["sig"] = shuffle.get_array(scratch.sig(u))[(ij[:, 0] & LOW).astype(np.int64)]
-    shuffle.write(scratch.files("half", scratch.units)[u], half, unit_of(half["j"]), scratch.units)
+    half["sig"] = signatures(scratch, half["i"], num_perm)
+    target = scratch.files("half", scratch.groups)[g]
+    shuffle.write(target, half, scratch.group_of(half["j"]), scratch.groups)
     return {"candidate_pairs": len(ij)}
 
 
@@ -198,26 +220,22 @@ PARTNER = np.dtype([("j", "<u8"), ("i", "<u8"), ("jaccard", "<f8")])
 
 
 def verify_j_task(item: tuple) -> dict:
-    """Unit `u`, where the pairs' second documents live: estimated Jaccard similarity; the similar
+    """Group `g`, where the pairs' second documents live: estimated Jaccard similarity; the similar
     pairs become the graph's edges, and each second document's most recent similar partner (the
     largest i) is kept for the examples."""
-    u, scratch, num_perm, threshold = item
-    half = shuffle.gather(scratch.files("half", scratch.units), u, scratch.units, half_dtype(num_perm))
+    g, scratch, num_perm, threshold = item
+    half = shuffle.gather(scratch.files("half", scratch.groups), g, scratch.groups, half_dtype(num_perm))
     half = half[np.lexsort((half["j"], half["i"]))]  # (i, j) order, as one sorted pair list
-    if len(half):
-        sig = shuffle.get_array(scratch.sig(u))
-        jac = (half["sig"] == sig[(half["j"] & LOW).astype(np.int64)]).mean(axis=1)
-    else:
-        jac = np.zeros(0)
+    jac = (half["sig"] == signatures(scratch, half["j"], num_perm)).mean(axis=1) if len(half) else np.zeros(0)
     similar = jac >= threshold
     i, j = half["i"][similar], half["j"][similar]
-    components.write_edges(scratch.files("cc0", scratch.units)[u], i, j, scratch.partitions)
+    components.write_edges(scratch.files("cc0", scratch.groups)[g], i, j, scratch.partitions)
     # for each j, the last similar pair in (i, j) order: the largest i
     order = np.lexsort((i, j))
     last = np.concatenate((j[order][1:] != j[order][:-1], [True])) if len(order) else np.zeros(0, bool)
     partner = np.zeros(int(last.sum()), PARTNER)
     partner["j"], partner["i"], partner["jaccard"] = j[order][last], i[order][last], jac[similar][order][last]
-    shuffle.put_array(f"{scratch.root}/partner/{u:05d}.npy", partner)
+    shuffle.put_array(f"{scratch.root}/partner/{g:05d}.npy", partner)
     return {"similar_pairs": int(similar.sum())}
 
 
@@ -227,10 +245,11 @@ def run_fuzzy(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
     U, P = scratch.units, scratch.partitions
     run_tasks("dedup: bands", band_task, [(u, scratch, cfg) for u in range(U)], workers)
     run_tasks("dedup: buckets", bucket_task, [(q, scratch, cfg.rows) for q in range(P)], workers)
-    first = run_tasks("dedup: pairs", verify_i_task, [(u, scratch, cfg.num_perm) for u in range(U)], workers)
-    items = [(u, scratch, cfg.num_perm, cfg.threshold) for u in range(U)]
+    G = scratch.groups
+    first = run_tasks("dedup: pairs", verify_i_task, [(g, scratch, cfg.num_perm) for g in range(G)], workers)
+    items = [(g, scratch, cfg.num_perm, cfg.threshold) for g in range(G)]
     second = run_tasks("dedup: similarity", verify_j_task, items, workers)
-    removed = components.non_centres(scratch.root, scratch.files("cc0", U), P, U, workers)
+    removed = components.non_centres(scratch.root, scratch.files("cc0", G), P, U, workers)
     shuffle.put(f"{scratch.root}/non-centres.json", json.dumps(removed).encode())
     return {
         "candidate_pairs": sum(r["candidate_pairs"] for r in first),
@@ -247,7 +266,8 @@ def fuzzy_removed(scratch: Scratch, u: int) -> np.ndarray:
 def fuzzy_examples(scratch: Scratch, u: int, removed: np.ndarray, limit: int) -> list[tuple]:
     """Unit `u`'s first `limit` fuzzy duplicates that have a similar partner, as (removed, partner,
     jaccard) index triples."""
-    partner = shuffle.get_array(f"{scratch.root}/partner/{u:05d}.npy")
+    group = int(scratch.group_of(np.array([u << 32], np.uint64))[0])
+    partner = shuffle.get_array(f"{scratch.root}/partner/{group:05d}.npy")
     at = np.minimum(np.searchsorted(partner["j"], removed), len(partner) - 1)
     found = partner["j"][at] == removed if len(partner) else np.zeros(len(removed), bool)
     rows = partner[at[found][:limit]]
