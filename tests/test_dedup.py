@@ -259,8 +259,8 @@ def test_components_find_every_cluster_and_its_smallest_member():
             x = np.array([e[0] for e in edges], np.uint64)
             y = np.array([e[1] for e in edges], np.uint64)
             components.write_edges(f"{work}/in/0.bin", x, y, partitions)
-            files = components.non_centres(work, [f"{work}/in/0.bin"], partitions, 3, workers=1)
-            got = {int(v) for u in range(3) for v in shuffle.gather(files, u, 3, components.NODE)["idx"]}
+            files = components.non_centres(work, [f"{work}/in/0.bin"], partitions, (3, 2), workers=1)
+            got = {int(v) for g in range(2) for v in shuffle.gather(files, g, 2, components.NODE)["idx"]}
         assert got == want
 
 

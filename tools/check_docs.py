@@ -600,6 +600,9 @@ class Checker:
         resolved = True
         flags: list[tuple[list[tuple[str, ...]], str]] = []
         overrides: list[tuple[tuple[str, ...], str]] = []
+        words = [t for t in seg if not t.startswith("-")]
+        if words[:2] == ["plan", "data"]:  # cli/main.py's alias of `data plan`
+            seg = ["data", "plan", *seg[seg.index("data") + 1 :]]
         for tok in seg:
             bare = tok.strip("[]()")
             if bare.startswith("-"):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from shipyard.cli.args import command_group, fraction, whole_number
+from shipyard.cli.args import command_group, fraction, positive_number, whole_number
 
 
 def _cmd_data_bytes(args) -> int:
@@ -239,6 +240,32 @@ def _worker_arguments(parser) -> None:
     where.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP)
 
 
+def _cmd_data_plan(args) -> int:
+    import json
+
+    from shipyard.data.sizing import Cluster, Corpus, parse_amount, plan_data, rates_from_bench, render
+
+    per_doc, per_token = args.bytes_per_document, args.bytes_per_token
+    if args.bytes:
+        total = parse_amount(args.bytes, "--bytes", "a size")
+    elif args.documents:
+        total = parse_amount(args.documents, "--documents", "a count") * per_doc
+    else:
+        total = parse_amount(args.tokens, "--tokens", "a count") * per_token
+    corpus = Corpus(int(total), per_doc, per_token, args.duplicate_fraction)
+    cluster = Cluster(
+        args.nodes,
+        args.cpus_per_node,
+        int(parse_amount(args.memory_per_node, "--memory-per-node", "a size")),
+        parse_amount(args.bandwidth_per_node, "--bandwidth-per-node", "a rate"),
+    )
+    result = plan_data(corpus, cluster, rates_from_bench(args.rates) if args.rates else None)
+    sys.stdout.write(render(result) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["fits"] else 6
+
+
 def register(sub) -> None:
     """Add this group's subcommands to the `shipyard` parser's subparsers."""
     data_sub = command_group(sub, "data", "prepare data")
@@ -293,6 +320,32 @@ def register(sub) -> None:
     pr.add_argument("--overwrite", action="store_true", help="redo stages whose config or inputs changed")
     pr.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP + " (the config's `ray`)")
     pr.set_defaults(func=_cmd_data_prepare)
+
+    pl = data_sub.add_parser(
+        "plan",
+        help="estimate each stage's units, shuffled bytes, memory, requests and wall time for a corpus "
+        "size on N nodes (also `shipyard plan data`)",
+    )
+    size = pl.add_mutually_exclusive_group(required=True)
+    size.add_argument("--bytes", help="corpus size in text bytes (e.g. 10TB)")
+    size.add_argument("--documents", help="corpus size in documents (e.g. 2.5B)")
+    size.add_argument("--tokens", help="corpus size in tokens (e.g. 15T)")
+    pl.add_argument("--nodes", type=whole_number(1), required=True, help="worker nodes")
+    pl.add_argument("--cpus-per-node", type=whole_number(1), default=64, help="cores per node (default 64)")
+    pl.add_argument("--memory-per-node", default="256GiB", help="memory per node (default 256GiB)")
+    pl.add_argument(
+        "--bandwidth-per-node", default="1.25GB", help="storage bytes/s per node (default 1.25GB: 10 Gb/s)"
+    )
+    pl.add_argument("--bytes-per-document", type=positive_number(), default=4500.0, help="default 4500")
+    pl.add_argument("--bytes-per-token", type=positive_number(), default=4.2, help="default 4.2")
+    pl.add_argument(
+        "--duplicate-fraction", type=fraction(), default=0.3, help="documents with a near-duplicate (0.3)"
+    )
+    pl.add_argument(
+        "--rates", type=Path, help="a bench/data_throughput.py JSON of your machine (per-core MB/s)"
+    )
+    pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
+    pl.set_defaults(func=_cmd_data_plan)
 
     ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
     ve.add_argument("shards", type=location, help="token shard directory (or its URL)")

@@ -45,6 +45,8 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["plan", "data"]:  # `plan` takes a model config; the data plan lives under `data`
+        argv = ["data", "plan", *argv[2:]]
     debug = "--debug" in argv
     try:
         parser = build_parser()

@@ -13,7 +13,7 @@ Neither changes which nodes are connected, and alternating them turns every comp
 centred on its smallest node in O(log^2 n) rounds (in practice a handful). A large-star round whose
 input already is such a star (every node with a smaller neighbour has no other) writes the same
 edges back, so it is the last one: its tasks also write the nodes that are not their component's
-smallest (each had exactly one, smaller, neighbour), partitioned by work unit for the next step.
+smallest (each had exactly one, smaller, neighbour), partitioned by group of units for the next step.
 No process holds more than one partition's edges; the driver holds a flag per task.
 """
 
@@ -76,8 +76,9 @@ def small_star(a, b, first) -> tuple[np.ndarray, np.ndarray]:
 
 
 def star_task(item: tuple) -> dict:
-    """One partition of one round: ('large' | 'small', p, sources, target, partitions, removed, units)."""
-    kind, p, sources, target, partitions, removed, units = item
+    """One partition of one round: ('large' | 'small', p, sources, target, partitions, removed,
+    (units, groups))."""
+    kind, p, sources, target, partitions, removed, (units, groups) = item
     a, b, first = grouped(shuffle.gather(sources, p, partitions, EDGE))
     if kind == "small":
         x, y = small_star(a, b, first)
@@ -87,19 +88,21 @@ def star_task(item: tuple) -> dict:
     write_edges(target, x, y, partitions)
     nodes = np.zeros(len(smaller), NODE)
     nodes["idx"] = smaller
-    shuffle.write(removed, nodes, unit_of(smaller), units)
+    shuffle.write(removed, nodes, unit_of(smaller) * groups // units, groups)
     return {"edges": len(x), "star": star}
 
 
-def non_centres(work: str, sources: list[str], partitions: int, units: int, workers: Workers) -> list[str]:
-    """Files (partitioned by work unit, `units` partitions) of every node that is not the smallest of
-    its connected component, for the graph whose directed edges (both ways) are in `sources`
-    (partitioned by `node_partition`)."""
+def non_centres(
+    work: str, sources: list[str], partitions: int, shape: tuple[int, int], workers: Workers
+) -> list[str]:
+    """Files of every node that is not the smallest of its connected component, for the graph whose
+    directed edges (both ways) are in `sources` (partitioned by `node_partition`). `shape`: (units,
+    groups); the files are partitioned by group (unit * groups // units)."""
     for r in range(MAX_ROUNDS):
         kind = "large" if r % 2 == 0 else "small"
         targets = [f"{work}/cc{r + 1}/{p:05d}.bin" for p in range(partitions)]
         removed = [f"{work}/cc{r + 1}/removed-{p:05d}.bin" for p in range(partitions)]
-        items = [(kind, p, sources, targets[p], partitions, removed[p], units) for p in range(partitions)]
+        items = [(kind, p, sources, targets[p], partitions, removed[p], shape) for p in range(partitions)]
         results = run_tasks(f"dedup: components, round {r + 1} ({kind} star)", star_task, items, workers)
         if kind == "large" and all(res["star"] for res in results):
             return removed

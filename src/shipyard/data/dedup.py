@@ -113,7 +113,7 @@ def sketch_unit(item: tuple) -> dict:
         sig = np.stack(sigs) if sigs else np.zeros((0, cfg.num_perm), np.uint32)
         files[scratch.sig(u)] = shuffle.put_array(scratch.sig(u), sig)
     if cfg.exact:
-        files[scratch.files("exact", scratch.units)[u]] = steps.write_exact_keys(scratch, u, keys)
+        files[scratch.keys(u)] = steps.write_exact_keys(scratch, u, keys)
     files = {scratch.relative(path): digest for path, digest in files.items()}
     return {"n": len(ids), "read": read, "documents_in": len(ids), "bytes_in": read.bytes, "files": files}
 
@@ -122,8 +122,7 @@ def write_unit(item: tuple) -> dict:
     """Worker, last pass: write the kept documents of unit `u` as part `u`, and name the unit's
     first fuzzy duplicates with the kept document they matched (stats.json's examples)."""
     u, unit, out_dir, text_field, n, scratch, cfg = item
-    removed_exact = steps.exact_removed(scratch, u) if cfg.exact else np.zeros(0, np.uint64)
-    removed_fuzzy = steps.fuzzy_removed(scratch, u) if cfg.fuzzy else np.zeros(0, np.uint64)
+    removed_exact, removed_fuzzy = steps.unit_drops(scratch, u)
     keep = np.ones(n, bool)
     keep[(removed_exact & LOW).astype(np.int64)] = False
     keep[(removed_fuzzy & LOW).astype(np.int64)] = False
@@ -171,9 +170,7 @@ def run_dedup(
     stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
     run = header("dedup", [storage.redact(i) for i in inputs], stats.config, units)
     with stage_output(out, overwrite, "dedup", workers, run) as dest:
-        scratch = steps.Scratch(
-            str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(units)
-        )
+        scratch = steps.Scratch(str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(units))
         counts = []
         items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
         for r in run_units(
@@ -186,8 +183,9 @@ def run_dedup(
         fuzzy = (
             steps.run_fuzzy(scratch, cfg, workers)
             if cfg.fuzzy
-            else {"candidate_pairs": 0, "similar_pairs": 0}
+            else {"candidate_pairs": 0, "similar_pairs": 0, "non_centres": None}
         )
+        steps.run_drops(scratch, cfg.exact, fuzzy["non_centres"], workers)
         items = (
             (u, unit, dest.parts, read.text_field, counts[u], scratch, cfg) for u, unit in enumerate(units)
         )

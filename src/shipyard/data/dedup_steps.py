@@ -2,9 +2,12 @@
 candidate pairs verified where their two documents' signatures live, duplicate clusters by a
 distributed connected-components pass (components.py).
 
-Every step is a set of tasks (per work unit or per partition) that read and write files under
-the stage's scratch prefix (`Scratch`, inside the output being built, so a shared filesystem or a
-bucket the stage already writes to); the driver passes task numbers and folds counts. A document
+Every step is a set of tasks (per work unit, per group of consecutive units, or per partition)
+that read and write files under the stage's scratch prefix (`Scratch`, inside the output being
+built, so a shared filesystem or a bucket the stage already writes to); the driver passes task
+numbers and folds counts. The map side of every shuffle is a group of units, not a unit: with G
+groups and P partitions a shuffle is G x P ranged reads, where per-unit maps would make U x P (at
+63 TB, 940k units: a hundred times more). A document
 is named by its index `(unit << 32) | k` (its k-th document of unit `unit`), which orders
 documents as the input does, so "the first document of a cluster" is the smallest index.
 
@@ -58,14 +61,23 @@ class Scratch:
 
     @property
     def groups(self) -> int:
-        """Tasks of the two verification hops, each over a contiguous range of units (where the
-        signatures it needs are): a shuffle between the hops is then groups x groups ranged reads,
-        not units x units."""
+        """Map tasks of the shuffles and the verification hops, each over a contiguous range of units
+        (`units_in`)."""
         return min(self.units, self.partitions)
 
     def group_of(self, idx: np.ndarray) -> np.ndarray:
-        """The verification group of each document index."""
+        """The group of each document index."""
         return unit_of(idx) * self.groups // self.units
+
+    def units_in(self, g: int) -> range:
+        """The units of group `g` (those u with u * groups // units == g)."""
+        return range(-(-g * self.units // self.groups), -(-(g + 1) * self.units // self.groups))
+
+    def keys(self, u: int) -> str:
+        return f"{self.root}/keys/{u:05d}.npy"
+
+    def drops(self, u: int) -> str:
+        return f"{self.root}/drops/{u:05d}.npy"
 
     def ids(self, u: int) -> str:
         return f"{self.root}/ids/{u:05d}.json"
@@ -89,21 +101,30 @@ def index(u: int, n: int) -> np.ndarray:
 
 
 def write_exact_keys(scratch: Scratch, u: int, keys: list[bytes]) -> str:
-    """Map (in the sketch task): unit `u`'s exact keys, partitioned by key; the file's sha256."""
+    """In the sketch task: unit `u`'s exact keys with their document indices; the file's sha256."""
     records = np.zeros(len(keys), EXACT)
     if keys:
         words = np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2)
         records["k0"], records["k1"] = words[:, 0], words[:, 1]
     records["idx"] = index(u, len(keys))
-    part = (records["k0"] % np.uint64(scratch.partitions)).astype(np.int64)  # a key is a hash already
-    return shuffle.write(scratch.files("exact", scratch.units)[u], records, part, scratch.partitions)
+    return shuffle.put_array(scratch.keys(u), records)
+
+
+def exact_map_task(item: tuple) -> dict:
+    """Map group `g`: its units' keys in one file, partitioned by key (a key is a hash already)."""
+    g, scratch = item
+    parts = [shuffle.get_array(scratch.keys(u)) for u in scratch.units_in(g)]
+    records = np.concatenate(parts) if parts else np.zeros(0, EXACT)
+    part = (records["k0"] % np.uint64(scratch.partitions)).astype(np.int64)
+    shuffle.write(scratch.files("exact", scratch.groups)[g], records, part, scratch.partitions)
+    return {}
 
 
 def exact_task(item: tuple) -> dict:
     """Reduce partition `p`: each key's first document stays; the others are written (with that
-    first one) partitioned by their unit."""
+    first one) partitioned by their group."""
     p, scratch, max_examples = item
-    rec = shuffle.gather(scratch.files("exact", scratch.units), p, scratch.partitions, EXACT)
+    rec = shuffle.gather(scratch.files("exact", scratch.groups), p, scratch.partitions, EXACT)
     rec = rec[np.lexsort((rec["idx"], rec["k1"], rec["k0"]))]
     starts = np.ones(len(rec), bool)
     starts[1:] = (rec["k0"][1:] != rec["k0"][:-1]) | (rec["k1"][1:] != rec["k1"][:-1])
@@ -111,9 +132,8 @@ def exact_task(item: tuple) -> dict:
     removed = np.zeros(int((~starts).sum()), REMOVED)
     removed["idx"], removed["first"] = rec["idx"][~starts], first[~starts]
     removed = removed[np.argsort(removed["idx"], kind="stable")]
-    shuffle.write(
-        scratch.files("exact-removed", scratch.partitions)[p], removed, unit_of(removed["idx"]), scratch.units
-    )
+    target = scratch.files("exact-removed", scratch.partitions)[p]
+    shuffle.write(target, removed, scratch.group_of(removed["idx"]), scratch.groups)
     shown = [(int(r["idx"]), int(r["first"]), 1.0) for r in removed[:max_examples]]
     return {"duplicates": len(removed), "examples": shown}
 
@@ -121,41 +141,46 @@ def exact_task(item: tuple) -> dict:
 def run_exact(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
     """Exact duplicates: their count and the first `max_examples // 2` (removed, kept, 1.0) triples."""
     shown = cfg.max_examples // 2
+    run_tasks("dedup: exact keys", exact_map_task, [(g, scratch) for g in range(scratch.groups)], workers)
     items = [(p, scratch, shown) for p in range(scratch.partitions)]
-    results = run_tasks("dedup: exact keys", exact_task, items, workers)
+    results = run_tasks("dedup: exact duplicates", exact_task, items, workers)
     examples = sorted(e for r in results for e in r["examples"])[:shown]
     return {"duplicates": sum(r["duplicates"] for r in results), "examples": examples}
 
 
-def exact_removed(scratch: Scratch, u: int) -> np.ndarray:
-    """Indices of unit `u`'s exact duplicates."""
+def exact_removed(scratch: Scratch, g: int) -> np.ndarray:
+    """Indices of group `g`'s exact duplicates."""
     files = scratch.files("exact-removed", scratch.partitions)
-    return shuffle.gather(files, u, scratch.units, REMOVED)["idx"]
+    return shuffle.gather(files, g, scratch.groups, REMOVED)["idx"]
 
 
 # -- fuzzy duplicates: bands, pairs, verification, components ---------------------------------------
 
 
 def band_task(item: tuple) -> dict:
-    """Map unit `u`: each alive, non-empty document's bands, partitioned by (band, value)."""
-    u, scratch, cfg = item
-    sig = shuffle.get_array(scratch.sig(u))
-    alive = sig[:, 0] != EMPTY if len(sig) else np.zeros(0, bool)
-    if cfg.exact:
-        alive[(exact_removed(scratch, u) & LOW).astype(np.int64)] = False
-    k = np.flatnonzero(alive)
+    """Map group `g`: each alive, non-empty document's bands, partitioned by (band, value)."""
+    g, scratch, cfg = item
+    removed = exact_removed(scratch, g) if cfg.exact else np.zeros(0, np.uint64)
     dtype = band_dtype(cfg.rows)
-    records = np.zeros(len(k) * cfg.bands, dtype)
-    records["band"] = np.repeat(np.arange(cfg.bands, dtype=np.uint32), len(k))
-    # band-major: all of band 0's records, then band 1's, ... (as "band" and "idx" are laid out)
-    bands = sig[k, : cfg.bands * cfg.rows].reshape(len(k), cfg.bands, cfg.rows)
-    records["key"] = bands.transpose(1, 0, 2).reshape(-1, cfg.rows)
-    records["idx"] = np.tile(index(u, len(sig))[k], cfg.bands)
+    parts = []
+    for u in scratch.units_in(g):
+        sig = shuffle.get_array(scratch.sig(u))
+        alive = sig[:, 0] != EMPTY if len(sig) else np.zeros(0, bool)
+        alive[(removed[unit_of(removed) == u] & LOW).astype(np.int64)] = False
+        k = np.flatnonzero(alive)
+        records = np.zeros(len(k) * cfg.bands, dtype)
+        records["band"] = np.repeat(np.arange(cfg.bands, dtype=np.uint32), len(k))
+        # band-major: all of band 0's records, then band 1's, ... (as "band" and "idx" are laid out)
+        bands = sig[k, : cfg.bands * cfg.rows].reshape(len(k), cfg.bands, cfg.rows)
+        records["key"] = bands.transpose(1, 0, 2).reshape(-1, cfg.rows)
+        records["idx"] = np.tile(index(u, len(sig))[k], cfg.bands)
+        parts.append(records)
+    records = np.concatenate(parts) if parts else np.zeros(0, dtype)
     h = shuffle.mix64(records["band"].astype(np.uint64))
     for r in range(cfg.rows):
         h = shuffle.mix64(h ^ records["key"][:, r].astype(np.uint64))
     part = (h % np.uint64(scratch.partitions)).astype(np.int64)
-    shuffle.write(scratch.files("bands", scratch.units)[u], records, part, scratch.partitions)
+    shuffle.write(scratch.files("bands", scratch.groups)[g], records, part, scratch.partitions)
     return {}
 
 
@@ -166,9 +191,9 @@ def band_dtype(rows: int) -> np.dtype:
 def bucket_task(item: tuple) -> dict:
     """Reduce partition `q`: in each (band, value) bucket, in input order, every member is paired
     with the bucket's first member and with its predecessor (enough to connect the bucket without
-    all m^2 pairs); pairs (i < j) are written partitioned by the unit of i."""
+    all m^2 pairs); pairs (i < j) are written partitioned by the group of i."""
     q, scratch, rows = item
-    rec = shuffle.gather(scratch.files("bands", scratch.units), q, scratch.partitions, band_dtype(rows))
+    rec = shuffle.gather(scratch.files("bands", scratch.groups), q, scratch.partitions, band_dtype(rows))
     keys = [rec["idx"]] + [rec["key"][:, r] for r in reversed(range(rows))] + [rec["band"]]
     rec = rec[np.lexsort(keys)]
     same = (rec["band"][1:] == rec["band"][:-1]) & np.all(rec["key"][1:] == rec["key"][:-1], axis=1)
@@ -242,25 +267,49 @@ def verify_j_task(item: tuple) -> dict:
 def run_fuzzy(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
     """Bands, buckets, the two verification hops and the components: the candidate and similar
     pair counts (the non-centre files are where `fuzzy_removed` reads)."""
-    U, P = scratch.units, scratch.partitions
-    run_tasks("dedup: bands", band_task, [(u, scratch, cfg) for u in range(U)], workers)
+    U, P, G = scratch.units, scratch.partitions, scratch.groups
+    run_tasks("dedup: bands", band_task, [(g, scratch, cfg) for g in range(G)], workers)
     run_tasks("dedup: buckets", bucket_task, [(q, scratch, cfg.rows) for q in range(P)], workers)
-    G = scratch.groups
     first = run_tasks("dedup: pairs", verify_i_task, [(g, scratch, cfg.num_perm) for g in range(G)], workers)
     items = [(g, scratch, cfg.num_perm, cfg.threshold) for g in range(G)]
     second = run_tasks("dedup: similarity", verify_j_task, items, workers)
-    removed = components.non_centres(scratch.root, scratch.files("cc0", G), P, U, workers)
-    shuffle.put(f"{scratch.root}/non-centres.json", json.dumps(removed).encode())
+    removed = components.non_centres(scratch.root, scratch.files("cc0", G), P, (U, G), workers)
     return {
         "candidate_pairs": sum(r["candidate_pairs"] for r in first),
         "similar_pairs": sum(r["similar_pairs"] for r in second),
+        "non_centres": removed,
     }
 
 
-def fuzzy_removed(scratch: Scratch, u: int) -> np.ndarray:
-    """Sorted indices of unit `u`'s fuzzy duplicates (documents not first in their cluster)."""
-    files = json.loads(shuffle.get(f"{scratch.root}/non-centres.json"))
-    return np.sort(shuffle.gather(files, u, scratch.units, NODE)["idx"])
+DROP = np.dtype([("idx", "<u8"), ("fuzzy", "u1")])
+
+
+def drops_task(item: tuple) -> dict:
+    """Group `g`: each of its units' dropped documents (exact and fuzzy duplicates) in one file per
+    unit, for the unit's write task."""
+    g, scratch, exact, non_centres = item
+    gone = [exact_removed(scratch, g) if exact else np.zeros(0, np.uint64)]
+    if non_centres:
+        gone.append(shuffle.gather(non_centres, g, scratch.groups, NODE)["idx"])
+    drops = np.zeros(sum(len(x) for x in gone), DROP)
+    drops["idx"] = np.concatenate(gone)
+    drops["fuzzy"][len(gone[0]) :] = 1
+    drops = drops[np.argsort(drops["idx"], kind="stable")]
+    owner = unit_of(drops["idx"])
+    for u in scratch.units_in(g):
+        shuffle.put_array(scratch.drops(u), drops[owner == u])
+    return {}
+
+
+def run_drops(scratch: Scratch, exact: bool, non_centres: list[str] | None, workers: Workers) -> None:
+    items = [(g, scratch, exact, non_centres) for g in range(scratch.groups)]
+    run_tasks("dedup: drop lists", drops_task, items, workers)
+
+
+def unit_drops(scratch: Scratch, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """(exact, fuzzy) duplicate indices of unit `u`, each sorted."""
+    drops = shuffle.get_array(scratch.drops(u))
+    return drops["idx"][drops["fuzzy"] == 0], drops["idx"][drops["fuzzy"] == 1]
 
 
 def fuzzy_examples(scratch: Scratch, u: int, removed: np.ndarray, limit: int) -> list[tuple]:
