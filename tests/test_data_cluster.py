@@ -191,7 +191,7 @@ def _many_units(d: Path) -> list[str]:
 
 def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_nothing(ray_address, tmp_path):
     """SIGKILL a worker node's raylet once dedup's shuffle has begun, and another's once tokenize
-    has written its first shard: Ray reruns the lost tasks elsewhere and every output file equals the
+    has encoded its first unit: Ray reruns the lost tasks elsewhere and every output file equals the
     local run's."""
     inputs = _many_units(tmp_path)
     env = {"RAY_AUTH_MODE": "disabled"}
@@ -216,7 +216,7 @@ def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_noth
     raylet = _extra_node(ray_address, tmp_path / "node4")
     cmd = [SHIPYARD, "data", "tokenize", "local", "--out", "rayshards", "--ray", ray_address, *shard]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
-    _kill_when(proc, lambda: any(tmp_path.glob(".rayshards.tmp-*/shard-*.npy")), raylet)
+    _kill_when(proc, lambda: any(tmp_path.glob(".rayshards.partial/_tokens/*.bin")), raylet)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     _same_output(tmp_path / "shards", tmp_path / "rayshards")

@@ -125,3 +125,34 @@ def test_tokenizer_sample_is_reproducible_and_bounded(corpus, tmp_path):
         [str(path)], tmp_path / "c", TokenizerTrainConfig(vocab_size=400, sample_bytes=20_000), ReadConfig()
     )
     assert capped["bytes_out"] <= 20_000 and capped["documents_out"] < len(texts)
+
+
+def test_shard_tasks_cut_where_one_writer_would(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    """Several units, shards far smaller and far larger than a unit, two workers: every shard and the
+    manifest's shard table equal what one ShardWriter fed a document at a time writes, and the stage
+    leaves no scratch files."""
+    from shipyard.data import documents
+    from shipyard.data.documents import ReadStats, read_documents
+    from shipyard.data.shards import ShardWriter
+
+    monkeypatch.setattr(documents, "MIN_UNIT_BYTES", 20_000)
+    path, _ = corpus
+    tok = load_tokenizer(tokenizer_dir)
+    eos = special_token_ids(tokenizer_dir, tok)["eos_token"]
+    docs = [encode_document(tok, d.text, eos) for d in read_documents([path], ReadStats())]
+    for shard_tokens in (997, 60_000, 10**8):
+        out = tmp_path / f"s{shard_tokens}"
+        run_tokenize(
+            [str(path)], out, tokenizer_dir, TokenizeConfig(shard_tokens=shard_tokens), ReadConfig(), 2
+        )
+        ref = tmp_path / f"ref{shard_tokens}"
+        ref.mkdir()
+        writer = ShardWriter(ref, np.dtype(np.uint16), shard_tokens)
+        for ids in docs:
+            writer.write(np.asarray(ids), 1)
+        want = writer.close()
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["shards"] == want and (len(want) > 3 or shard_tokens > 997)
+        for s in want:
+            assert (out / s["file"]).read_bytes() == (ref / s["file"]).read_bytes()
+        assert not (out / "_tokens").exists()

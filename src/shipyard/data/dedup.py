@@ -42,6 +42,7 @@ from shipyard.data.stage import (
     StageStats,
     Workers,
     config_record,
+    open_pool,
     plan,
     publish_part,
     run_units,
@@ -169,28 +170,31 @@ def run_dedup(
     units = plan(inputs)
     stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
     run = header("dedup", [storage.redact(i) for i in inputs], stats.config, units)
-    with stage_output(out, overwrite, "dedup", workers, run) as dest:
+    with (
+        stage_output(out, overwrite, "dedup", workers, run) as dest,
+        open_pool(workers, _init, (cfg,)) as pool,
+    ):
         scratch = steps.Scratch(str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(units))
         counts = []
         items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
         for r in run_units(
-            "dedup: sketch", units, sketch_unit, items, workers, _init, (cfg,), dest.journal("sketch")
+            "dedup: sketch", units, sketch_unit, items, pool, _init, (cfg,), dest.journal("sketch")
         ):
             stats.add(r)
             counts.append(r["n"])
         check_bad_fraction(stats.read, read.max_bad_fraction, "data dedup")
-        exact = steps.run_exact(scratch, cfg, workers) if cfg.exact else {"duplicates": 0, "examples": []}
+        exact = steps.run_exact(scratch, cfg, pool) if cfg.exact else {"duplicates": 0, "examples": []}
         fuzzy = (
-            steps.run_fuzzy(scratch, cfg, workers)
+            steps.run_fuzzy(scratch, cfg, pool)
             if cfg.fuzzy
             else {"candidate_pairs": 0, "similar_pairs": 0, "non_centres": None}
         )
-        steps.run_drops(scratch, cfg.exact, fuzzy["non_centres"], workers)
+        steps.run_drops(scratch, cfg.exact, fuzzy["non_centres"], pool)
         items = (
             (u, unit, dest.parts, read.text_field, counts[u], scratch, cfg) for u, unit in enumerate(units)
         )
         parts, fuzzy_examples, fuzzy_duplicates = [], [], 0
-        for r in run_units("dedup: write", units, write_unit, items, workers, journal=dest.journal("write")):
+        for r in run_units("dedup: write", units, write_unit, items, pool, journal=dest.journal("write")):
             stats.documents_out += r["documents_out"]
             stats.bytes_out += r["bytes_out"]
             fuzzy_duplicates += r["fuzzy_duplicates"]

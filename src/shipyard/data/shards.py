@@ -40,7 +40,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _header(dtype: np.dtype, n: int) -> bytes:
+def shard_header(dtype: np.dtype, n: int) -> bytes:
+    """The .npy header of a 1-D shard of `n` tokens (numpy pads it: its length does not depend on n)."""
     import io
 
     buf = io.BytesIO()
@@ -61,8 +62,8 @@ class ShardWriter:
     def _open(self) -> None:
         name = f"shard-{len(self.shards):05d}.npy"
         self._file = open(self.out_dir / name, "wb")  # noqa: SIM115
-        self._header_len = len(_header(self.dtype, 0))
-        self._file.write(_header(self.dtype, 0))
+        self._header_len = len(shard_header(self.dtype, 0))
+        self._file.write(shard_header(self.dtype, 0))
         self._name, self._tokens, self._docs = name, 0, 0
 
     @property
@@ -81,7 +82,7 @@ class ShardWriter:
             self._close_shard()
 
     def _close_shard(self) -> None:
-        header = _header(self.dtype, self._tokens)
+        header = shard_header(self.dtype, self._tokens)
         if len(header) != self._header_len:  # numpy pads the header so this cannot happen; check anyway
             raise RuntimeError("npy header grew while writing a shard")
         self._file.seek(0)

@@ -176,18 +176,13 @@ def plan_data(corpus: Corpus, cluster: Cluster, rates: dict[str, float] | None =
         if stage == "tokenize":
             entry["tokens"] = corpus.tokens
             entry["output_bytes"] = corpus.tokens * 4
-            # today the driver receives every unit's tokens and writes the shards: one process's bandwidth
-            entry["driver_bound_s"] = corpus.tokens * 4 / cluster.bandwidth_per_node
+            entry["scratch_bytes"] = corpus.tokens * 4  # each unit's tokens, for the shard tasks
+            io = corpus.bytes + 3 * entry["output_bytes"]  # tokens to scratch, back, into shards
         io_s = io / (cluster.bandwidth_per_node * cluster.nodes)
         entry["node_memory_bytes"] = entry["task_memory_bytes"] * cluster.cpus_per_node
         entry["fits"] = entry["node_memory_bytes"] <= cluster.memory_per_node
-        entry["wall_s"] = max(compute_s, io_s, entry.get("driver_bound_s", 0.0))
-        entry["bound_by"] = max(
-            ("compute", compute_s),
-            ("storage bandwidth", io_s),
-            ("the driver", entry.get("driver_bound_s", 0.0)),
-            key=lambda kv: kv[1],
-        )[0]
+        entry["wall_s"] = max(compute_s, io_s)
+        entry["bound_by"] = "compute" if compute_s >= io_s else "storage bandwidth"
         stages[stage] = entry
     return {
         "corpus": {

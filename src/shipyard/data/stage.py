@@ -83,7 +83,7 @@ def step_workers() -> Workers:
 
 def in_process(workers: Workers) -> bool:
     """Whether the units run in this very process (one local worker)."""
-    return not isinstance(workers, RayCluster) and workers <= 1
+    return isinstance(workers, int) and workers <= 1
 
 
 def describe_workers(workers: Workers) -> int | str:
@@ -352,22 +352,56 @@ def pool_map(
     if isinstance(workers, RayCluster):
         yield from ray_map(fn, items, workers, storage.environment(), initializer, initargs)
         return
+    if isinstance(workers, LocalPool):
+        if initializer not in (None, workers.initializer):
+            raise ValueError("a shared pool's workers ran another initializer (open_pool)")
+        yield from _in_order(workers.pool, fn, items, workers.size)
+        return
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, items)
         return
+    with open_pool(workers, initializer, initargs) as opened:
+        yield from _in_order(opened.pool, fn, items, workers)
+
+
+@dataclass(frozen=True)
+class LocalPool:
+    """A process pool a stage opened once for all of its steps (`open_pool`); passed where a
+    `Workers` goes."""
+
+    pool: object
+    """The multiprocessing pool."""
+    size: int
+    """Its worker processes."""
+    initializer: Callable | None
+    """What each worker ran when it started (a step asking for another is a bug)."""
+
+
+@contextlib.contextmanager
+def open_pool(workers: Workers, initializer: Callable | None = None, initargs: tuple = ()) -> Iterator:
+    """For a stage of several steps (dedup's shuffles, tokenize's shards): one pool for them all
+    (starting a pool per step costs a few tenths of a second each), its workers set up by
+    `initializer(*initargs)`; one worker or a Ray cluster comes back as it is."""
+    if isinstance(workers, (RayCluster, LocalPool)) or workers <= 1:
+        yield workers
+        return
     init = (storage.environment(), initializer, initargs)
     with _context().Pool(workers, initializer=_init_worker, initargs=init) as pool:
-        # Not Pool.imap: its feeder thread drains the input as fast as it can.
-        # Two items per worker in flight keep every worker busy with bounded memory.
-        inflight: deque = deque()
-        for item in items:
-            inflight.append(pool.apply_async(fn, (item,)))
-            if len(inflight) >= 2 * workers:
-                yield inflight.popleft().get()
-        while inflight:
+        yield LocalPool(pool, workers, initializer)
+
+
+def _in_order(pool, fn: Callable, items: Iterable, workers: int) -> Iterator:
+    # Not Pool.imap: its feeder thread drains the input as fast as it can.
+    # Two items per worker in flight keep every worker busy with bounded memory.
+    inflight: deque = deque()
+    for item in items:
+        inflight.append(pool.apply_async(fn, (item,)))
+        if len(inflight) >= 2 * workers:
             yield inflight.popleft().get()
+    while inflight:
+        yield inflight.popleft().get()
 
 
 def _init_worker(env: dict[str, str], initializer: Callable | None, initargs: tuple) -> None:

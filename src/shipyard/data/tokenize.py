@@ -2,10 +2,12 @@
 
 Each worker process loads the tokenizer once and encodes batches of texts
 single-threaded (`TOKENIZERS_PARALLELISM=false`: N processes each spawning N
-Rust threads would oversubscribe the cores). Batches come back in input order,
-so the shards are identical for any worker count. The output directory holds
-the shards, manifest.json, a copy of the tokenizer (so the shards are
-self-describing) and stats.json.
+Rust threads would oversubscribe the cores). A unit's tokens go to the stage's
+scratch files, and the shards are assembled from them by tasks too
+(shard_tasks.py), laid out exactly as one writer in input order would: the
+shards are identical for any worker count or cluster, and no token passes
+through the driver. The output directory holds the shards, manifest.json, a
+copy of the tokenizer (so the shards are self-describing) and stats.json.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ from shipyard import __version__, storage
 from shipyard.data.configs import ReadConfig, TokenizeConfig
 from shipyard.data.documents import ReadStats, check_bad_fraction, read_unit
 from shipyard.data.remote_tokenizer import local_tokenizer
-from shipyard.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
+from shipyard.data.resume import header
+from shipyard.data.shard_tasks import SCRATCH as TOKEN_SCRATCH
+from shipyard.data.shard_tasks import TokenScratch, layout, save_unit, write_shard
+from shipyard.data.shards import FORMAT_VERSION, MANIFEST, shard_header, token_dtype
 from shipyard.data.stage import (
     StageStats,
     Workers,
     batches,
     config_record,
     in_process,
+    open_pool,
     plan,
+    run_tasks,
     run_units,
     stage_output,
 )
@@ -56,8 +63,9 @@ def _init(tokenizer_text: str, prefix: list[int], eos_id: int, dtype: str, singl
 
 
 def encode_unit(item: tuple) -> dict:
-    """Worker: read one unit and encode it: all tokens (EOS after each document) and tokens per document."""
-    unit, text_field, batch_documents = item
+    """Worker: read one unit and encode it (EOS after each document) into the stage's scratch files:
+    its tokens and tokens per document."""
+    u, unit, text_field, batch_documents, scratch = item
     tok, prefix, eos, dtype = _STATE["tok"], _STATE["prefix"], _STATE["eos"], _STATE["dtype"]
     read = ReadStats()
     pieces, lengths = [], []
@@ -67,12 +75,13 @@ def encode_unit(item: tuple) -> dict:
             pieces.append(np.asarray(ids, dtype=dtype))
             lengths.append(len(ids))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    files = save_unit(scratch, u, tokens, np.asarray(lengths, np.int64))
     return {
-        "tokens": tokens,
-        "lengths": np.asarray(lengths, np.int64),
+        "token_count": int(tokens.size),
         "read": read,
         "documents_in": read.documents,
         "bytes_in": read.bytes,
+        "files": files,
     }
 
 
@@ -110,26 +119,33 @@ def run_tokenize(
     tagged = [(src, u) for src in inputs for u in plan([src])]
     units = [u for _, u in tagged]
     per_source = {storage.redact(src): {"documents": 0, "tokens": 0, "bytes": 0} for src in inputs}
-    with stage_output(out, overwrite, "tokenize") as dest:
+    run = header("tokenize", [storage.redact(i) for i in inputs], config, units)
+    # one worker runs in this process and may use tokenizers' own threads
+    single = not in_process(workers)
+    file = tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path
+    init = (file.read_text(encoding="utf-8"), prefix, ids["eos_token"], dtype.str, single)
+    with (
+        stage_output(out, overwrite, "tokenize", workers, run) as dest,
+        open_pool(workers, _init, init) as pool,
+    ):
         tmp = dest.local
-        writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
-        single = not in_process(
-            workers
-        )  # one worker runs in this process and may use tokenizers' own threads
-        items = ((u, read.text_field, cfg.batch_documents) for u in units)
-        file = tokenizer_path / TOKENIZER_FILE if tokenizer_path.is_dir() else tokenizer_path
-        init = (file.read_text(encoding="utf-8"), prefix, ids["eos_token"], dtype.str, single)
-        for (src, _), r in zip(
-            tagged, run_units("tokenize", units, encode_unit, items, workers, _init, init)
-        ):
+        scratch = TokenScratch(str(dest.parts).rstrip("/"), dtype.str)
+        items = ((u, unit, read.text_field, cfg.batch_documents, scratch) for u, unit in enumerate(units))
+        encoded = run_units("tokenize", units, encode_unit, items, pool, _init, init, dest.journal("encode"))
+        for (src, _), r in zip(tagged, encoded):
             stats.add(r)
-            _write_documents(writer, r, cfg.shard_tokens)
             counts = per_source[storage.redact(src)]
-            counts["documents"] += len(r["lengths"])
-            counts["tokens"] += int(r["lengths"].sum())
+            counts["documents"] += r["documents_in"]
+            counts["tokens"] += r["token_count"]
             counts["bytes"] += r["bytes_in"]
-        shards = writer.close()
         check_bad_fraction(stats.read, read.max_bad_fraction, "data tokenize")
+        pieces = layout(scratch, len(units), cfg.shard_tokens)
+        items = [(k, p, scratch, dest.parts) for k, p in enumerate(pieces)]
+        shards = []
+        for r in run_tasks("tokenize: shards", write_shard, items, pool):
+            shards.append(r["entry"])
+            dest.add(r)
+        storage.remove(f"{scratch.stage_dir}/{TOKEN_SCRATCH}")
         _copy_tokenizer(tokenizer_path, tmp)
         total_tokens = sum(s["tokens"] for s in shards)
         manifest = {
@@ -153,7 +169,9 @@ def run_tokenize(
         }
         write_json(tmp / MANIFEST, manifest)
         stats.documents_out = manifest["documents"]
-        stats.bytes_out = sum((tmp / s["file"]).stat().st_size for s in shards)
+        stats.bytes_out = sum(
+            len(shard_header(dtype, s["tokens"])) + s["tokens"] * dtype.itemsize for s in shards
+        )
         result = stats.as_dict()
         result.update(
             tokens=total_tokens,
@@ -164,17 +182,6 @@ def run_tokenize(
     return result
 
 
-def _write_documents(writer: ShardWriter, unit: dict, shard_tokens: int) -> None:
-    """A unit's documents into the shards: whole documents to a shard, split where a shard fills up."""
-    lengths = unit["lengths"]
-    ends = np.cumsum(lengths)
-    start = 0
-    for count in _split_at_shard_boundaries(lengths, writer.room, shard_tokens):
-        lo = int(ends[start - 1]) if start else 0
-        writer.write(unit["tokens"][lo : int(ends[start + count - 1])], count)
-        start += count
-
-
 def _copy_tokenizer(tokenizer_path: Path, out: Path) -> None:
     """tokenizer.json (and its tokenizer_config.json, when there is one) into the shard directory."""
     base = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
@@ -183,16 +190,3 @@ def _copy_tokenizer(tokenizer_path: Path, out: Path) -> None:
     )
     if (base / "tokenizer_config.json").is_file():
         shutil.copy(base / "tokenizer_config.json", out / "tokenizer_config.json")
-
-
-def _split_at_shard_boundaries(lengths: np.ndarray, room: int, shard_tokens: int):
-    """Document counts of consecutive writes, so that a shard closes right after it reaches its size."""
-    count, filled = 0, 0
-    for n in lengths:
-        count += 1
-        filled += int(n)
-        if filled >= room:
-            yield count
-            count, filled, room = 0, 0, shard_tokens
-    if count:
-        yield count
