@@ -220,3 +220,35 @@ def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_noth
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     _same_output(tmp_path / "shards", tmp_path / "rayshards")
+
+
+PAGE = """<!DOCTYPE html><html><head><title>{title}</title><script>var t = 1;</script></head>
+<body><nav><a href="/">Home</a> | <a href="/about">About</a></nav>
+<main><article><h1>{title}</h1><p>{body}</p></article></main>
+<footer>Copyright 2026 Example Corp.</footer></body></html>"""
+
+
+def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_address, tmp_path):
+    pytest.importorskip("fasttext")
+    import random
+
+    for d in range(2):
+        site = tmp_path / "site" / f"d{d}"
+        site.mkdir(parents=True)
+        for k in range(30):
+            (site / f"p{k}.html").write_text(PAGE.format(title=f"Page {d}-{k}", body=prose(100 * d + k)))
+    rng = random.Random(0)
+    good = [prose(500 + s) for s in range(60)]
+    bad = [" ".join(rng.sample(t.split(), len(t.split()))) for t in good]
+    write_jsonl(tmp_path / "good.jsonl", good)
+    write_jsonl(tmp_path / "bad.jsonl", bad)
+    qc = ["data", "classifier-train", "--positive", "good.jsonl", "--negative", "bad.jsonl", "--out", "qc"]
+    assert _shipyard(*qc, cwd=tmp_path).returncode == 0
+    for where, flags in (("local", ["--workers", "2"]), ("onray", ["--ray", ray_address])):
+        r = _shipyard("data", "extract", "site", "--out", f"{where}-extract", *flags, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        cls = ["data", "classify", "local-extract", "--model", "qc", "--out", f"{where}-classify"]
+        r = _shipyard(*cls, "--top-fraction", "0.5", *flags, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    for stage in ("extract", "classify"):
+        _same_output(tmp_path / f"local-{stage}", tmp_path / f"onray-{stage}")

@@ -2,7 +2,6 @@
 nodes, and what does not fit says so."""
 
 import json
-from types import SimpleNamespace
 
 from shipyard.cli.main import main
 from shipyard.data.configs import DedupConfig
@@ -13,10 +12,9 @@ from shipyard.data.sizing import Cluster, Corpus, plan_data, units_for
 def test_the_plan_uses_the_stages_own_unit_and_partition_counts():
     corpus = Corpus(10 * 10**12)
     plan = plan_data(corpus, Cluster(nodes=16))
-    units, size = units_for(corpus.bytes)
-    fake = [SimpleNamespace(size=size)] * units
+    units, _ = units_for(corpus.bytes)
     dedup = plan["stages"]["dedup"]
-    assert dedup["units"] == units and dedup["partitions"] == partitions_for(fake)
+    assert dedup["units"] == units and dedup["partitions"] == partitions_for(units, corpus.bytes)
     assert dedup["signature_bytes"] == corpus.documents * DedupConfig().num_perm * 4
     assert dedup["shuffle"]["bands"] == corpus.documents * 16 * (12 + 4 * 8)
 

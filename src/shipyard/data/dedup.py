@@ -144,14 +144,17 @@ def write_unit(item: tuple) -> dict:
     return out
 
 
-def partitions_for(units: list) -> int:
-    """Shuffle partitions: one per unit up to 512, and more for a corpus over 3 TB, so that a
-    reduce task's share of the band records (about a sixth of the input's bytes with the default
-    16 bands) stays near 1 GB. The output does not depend on the number (a test checks)."""
-    total = sum(u.size for u in units)
-    return max(1, min(len(units), 512), -(-total // PARTITION_INPUT_BYTES))
+def partitions_for(units: int, total_bytes: int) -> int:
+    """Shuffle partitions: about one per 256 MB of input up to 512 (a small corpus's shuffles are a
+    few tasks, not one per unit: each task costs its scheduling and two reads per map file), and
+    more past 3 TB so that a reduce task's share of the band records (about a sixth of the input's
+    bytes with the default 16 bands) stays near 1 GB. The output does not depend on the number (a
+    test checks)."""
+    small = min(units, -(-total_bytes // PARTITION_SMALL_BYTES), 512)
+    return max(1, small, -(-total_bytes // PARTITION_INPUT_BYTES))
 
 
+PARTITION_SMALL_BYTES = 256 << 20
 PARTITION_INPUT_BYTES = 6 << 30
 
 
@@ -174,7 +177,11 @@ def run_dedup(
         stage_output(out, overwrite, "dedup", workers, run) as dest,
         open_pool(workers, _init, (cfg,)) as pool,
     ):
-        scratch = steps.Scratch(str(dest.parts).rstrip("/"), len(units), partitions or partitions_for(units))
+        scratch = steps.Scratch(
+            str(dest.parts).rstrip("/"),
+            len(units),
+            partitions or partitions_for(len(units), sum(u.size for u in units)),
+        )
         counts = []
         items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
         for r in run_units(

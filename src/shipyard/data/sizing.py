@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shipyard.data.configs import DedupConfig
-from shipyard.data.dedup import PARTITION_INPUT_BYTES
+from shipyard.data.dedup import partitions_for
 from shipyard.data.documents import MAX_UNIT_BYTES, MIN_UNIT_BYTES, UNITS_TARGET
 from shipyard.errors import ConfigError
 
@@ -99,7 +99,7 @@ def units_for(total: int) -> tuple[int, int]:
 def dedup_shuffles(corpus: Corpus, cfg: DedupConfig, units: int) -> dict:
     """Bytes, files and ranged reads of dedup's shuffles, and its largest task's memory."""
     docs = corpus.documents
-    partitions = max(1, min(units, 512), -(-corpus.bytes // PARTITION_INPUT_BYTES))
+    partitions = partitions_for(units, corpus.bytes)
     groups = min(units, partitions)
     pairs = int(docs * corpus.duplicate_fraction * 2)  # first-member and predecessor pairs
     band_record = 12 + 4 * cfg.rows
