@@ -22,14 +22,15 @@ from shipyard.data.documents import MAX_UNIT_BYTES, MIN_UNIT_BYTES, UNITS_TARGET
 from shipyard.errors import ConfigError
 
 # MB/s per core, from bench/results/data_throughput.repeat.json (bench/repeat.py over
-# bench/data_throughput.py, 3 runs, 2 worker processes on a 2-core VM, the stdlib corpus): the
-# medians divided by the 2 cores. Decontaminate was not measured: it is assumed as fast as filter.
+# bench/data_throughput.py, 3 runs on 2026-12-03, 2 worker processes on a 2-core VM, the stdlib
+# corpus): the medians divided by the 2 cores. Decontaminate was not measured: it is assumed as
+# fast as filter.
 MEASURED_MB_PER_CORE_S = {
-    "extract": 38.14 / 2,
-    "filter": 45.78 / 2,
-    "decontaminate": 45.78 / 2,
-    "dedup": 27.86 / 2,
-    "tokenize": 5.40 / 2,
+    "extract": 15.24 / 2,
+    "filter": 21.49 / 2,
+    "decontaminate": 21.49 / 2,
+    "dedup": 14.71 / 2,
+    "tokenize": 2.17 / 2,
 }
 STAGES = tuple(MEASURED_MB_PER_CORE_S)
 
