@@ -115,7 +115,7 @@ def sketch_unit(item: tuple) -> dict:
         files[scratch.sig(u)] = shuffle.put_array(scratch.sig(u), sig)
     if cfg.exact:
         files[scratch.keys(u)] = steps.write_exact_keys(scratch, u, keys)
-    files = {scratch.relative(path): digest for path, digest in files.items()}
+    files = shuffle.journaled(scratch.stage_dir, files)
     return {"n": len(ids), "read": read, "documents_in": len(ids), "bytes_in": read.bytes, "files": files}
 
 

@@ -55,10 +55,6 @@ class Scratch:
     def root(self) -> str:
         return f"{self.stage_dir}/{SCRATCH}"
 
-    def relative(self, path: str) -> str:
-        """`path` relative to the stage directory (as a resume journal lists it)."""
-        return path[len(self.stage_dir) + 1 :]
-
     @property
     def groups(self) -> int:
         """Map tasks of the shuffles and the verification hops, each over a contiguous range of units
@@ -315,7 +311,7 @@ def unit_drops(scratch: Scratch, u: int) -> tuple[np.ndarray, np.ndarray]:
 def fuzzy_examples(scratch: Scratch, u: int, removed: np.ndarray, limit: int) -> list[tuple]:
     """Unit `u`'s first `limit` fuzzy duplicates that have a similar partner, as (removed, partner,
     jaccard) index triples."""
-    group = int(scratch.group_of(np.array([u << 32], np.uint64))[0])
+    group = u * scratch.groups // scratch.units  # as group_of
     partner = shuffle.get_array(f"{scratch.root}/partner/{group:05d}.npy")
     at = np.minimum(np.searchsorted(partner["j"], removed), len(partner) - 1)
     found = partner["j"][at] == removed if len(partner) else np.zeros(len(removed), bool)

@@ -43,9 +43,6 @@ class TokenScratch:
     def lengths(self, u: int) -> str:
         return f"{self.stage_dir}/{SCRATCH}/{u:05d}.lengths.npy"
 
-    def relative(self, path: str) -> str:
-        return path[len(self.stage_dir) + 1 :]
-
 
 def save_unit(scratch: TokenScratch, u: int, tokens: np.ndarray, lengths: np.ndarray) -> dict[str, str]:
     """In the encode task: unit `u`'s tokens and lengths; {relative path: sha256} of the two files."""
@@ -53,7 +50,7 @@ def save_unit(scratch: TokenScratch, u: int, tokens: np.ndarray, lengths: np.nda
         scratch.tokens(u): shuffle.put(scratch.tokens(u), np.ascontiguousarray(tokens).tobytes()),
         scratch.lengths(u): shuffle.put_array(scratch.lengths(u), lengths.astype(np.int64)),
     }
-    return {scratch.relative(path): digest for path, digest in files.items()}
+    return shuffle.journaled(scratch.stage_dir, files)
 
 
 def cut(lengths: np.ndarray, filled: int, shard_tokens: int) -> list[int]:
