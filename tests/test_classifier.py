@@ -239,3 +239,54 @@ def test_fasttext_line_is_one_lowercased_line_of_tokens():
     assert fasttext_line(text, None) == "return the value . it ' s done , ( mostly ) !"
     assert fasttext_line(text, None) == fasttext_line(text, 1000)
     assert fasttext_line(text, 4) == "return the value ."
+
+
+@pytest.mark.slow
+def test_a_killed_classify_resumes_both_passes_from_their_finished_units(task, tmp_path):
+    """--top-fraction's two passes are journaled: a SIGKILL in the second pass and a rerun skip every
+    scored unit and the finished kept ones, and write the bytes of an uninterrupted run."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d, pos, neg, _ = task
+    inputs = []
+    for k in range(4):  # about 16 work units
+        for src in (pos, neg):
+            copy = tmp_path / f"{k}-{src.name}"
+            copy.write_bytes(src.read_bytes())
+            inputs.append(str(copy))
+    shipyard = os.path.join(os.path.dirname(sys.executable), "shipyard")
+
+    def cmd(out):
+        return [shipyard, "data", "classify", *inputs, "--model", str(d / "model"), "--out", str(out)]
+
+    args = ["--set", "top_fraction=0.3", "--workers", "1"]
+    clean = subprocess.run([*cmd(tmp_path / "clean"), *args], capture_output=True, text=True, timeout=600)
+    assert clean.returncode == 0, clean.stderr
+    out, journal = tmp_path / "out", tmp_path / ".out.partial" / "_resume"
+    proc = subprocess.Popen([*cmd(out), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (journal / "units-00002.json").exists():  # three units of the second pass kept
+        assert proc.poll() is None and time.time() < deadline, "classify ended before it could be killed"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    scored, kept = len(list(journal.glob("scores-*.json"))), len(list(journal.glob("units-*.json")))
+    again = subprocess.run([*cmd(out), *args], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    first = re.search(r"classify \(scoring\): resuming: (\d+) of (\d+) units", again.stderr)
+    second = re.search(r"data classify: resuming: (\d+) of (\d+) units", again.stderr)
+    assert first and int(first[1]) == scored == int(first[2]), again.stderr
+    assert second and int(second[1]) == kept and 3 <= kept < int(second[2]), again.stderr
+    for name in sorted(p.name for p in (tmp_path / "clean").iterdir()):
+        a, b = (tmp_path / "clean" / name).read_bytes(), (out / name).read_bytes()
+        if name == "stats.json":
+            a, b = (
+                {k: v for k, v in json.loads(x).items() if k not in ("seconds", "mb_per_s")} for x in (a, b)
+            )
+        assert a == b, name
+    assert not (tmp_path / ".out.partial").exists()

@@ -252,3 +252,41 @@ def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_a
         assert r.returncode == 0, r.stderr
     for stage in ("extract", "classify"):
         _same_output(tmp_path / f"local-{stage}", tmp_path / f"onray-{stage}")
+
+
+def test_a_killed_driver_resumes_a_bucket_output_from_its_finished_units(
+    ray_address, tmp_path, bucket, s3_env
+):
+    """The driver SIGKILLed while dedup writes to a bucket from the cluster: the partial output and
+    its journal are in the bucket (unpublished), and the rerun skips the finished units (counted)
+    and publishes what the local run writes."""
+    import re
+    import signal
+    import time
+
+    from shipyard import storage
+
+    inputs = _many_units(tmp_path)
+    local = _shipyard("data", "dedup", *inputs, "--out", "local", "--workers", "2", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    url = f"{bucket}/dedup"
+    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", url, "--ray", ray_address]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 300
+    while "sketch-00001.json" not in storage.list_files(f"{url}/_resume"):
+        assert proc.poll() is None and time.time() < deadline, "the stage ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not storage.is_published(url)
+    done = sum(n.startswith("sketch-") for n in storage.list_files(f"{url}/_resume"))
+    again = _shipyard(*cmd[1:], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    resumed = re.search(r"data dedup: sketch: resuming: (\d+) of (\d+) units already done", again.stderr)
+    assert resumed and int(resumed[1]) == done >= 2 and int(resumed[2]) == 12, again.stderr
+    fetched = storage.download_dir(url, tmp_path / "fetched")
+    assert not any(n.startswith(("_resume", "_dedup")) for n in storage.list_files(url))
+    for name in (storage.MARKER, STAGE_TAG):
+        (fetched / name).unlink(missing_ok=True)
+    _same_output(tmp_path / "local", fetched)

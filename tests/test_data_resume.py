@@ -1,5 +1,5 @@
-"""A data stage whose driver was SIGKILLed goes on from the units it finished: they are verified by
-their files' sha256 and skipped, the rest run, and the output is the bytes an uninterrupted run
+"""A data stage whose driver was SIGKILLed goes on from the units (and shuffle tasks) it finished:
+they are verified by their files' sha256 and skipped, the rest run, and the output is the bytes an uninterrupted run
 writes. A partial run with other settings is refused in one line and kept."""
 
 import json
@@ -58,22 +58,27 @@ def test_a_killed_dedup_resumes_from_its_finished_units(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 300
-    while not (partial / "sketch-00004.json").exists():  # five units sketched
+    while not (partial / "write-00002.json").exists():  # every shuffle step and three units written
         assert proc.poll() is None and time.time() < deadline, "the stage ended before it could be killed"
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists()  # nothing half-published
-    done = len(list(partial.glob("sketch-*.json")))
+    written = len(list(partial.glob("write-*.json")))
     units = json.loads((partial / "header.json").read_text())["units"]["count"]
-    assert 5 <= done < units
+    assert len(list(partial.glob("sketch-*.json"))) == units and 3 <= written < units
     # a finished unit whose file is damaged is not taken: it runs again
     sig = tmp_path / ".out.partial" / "_dedup" / "sig" / "00001.npy"
     sig.write_bytes(sig.read_bytes()[:-8])
     again = _dedup(inputs, out)
     assert again.returncode == 0, again.stderr
-    resumed = re.search(r"data dedup: sketch: resuming: (\d+) of (\d+) units already done", again.stderr)
-    assert resumed and int(resumed[1]) == done - 1 and int(resumed[2]) == units, again.stderr
+    resumed = dict(re.findall(r"data dedup: ([a-z ,()0-9-]+): resuming: (\d+ of \d+) units", again.stderr))
+    assert resumed.pop("sketch") == f"{units - 1} of {units}", again.stderr
+    assert resumed.pop("write") == f"{written} of {units}", again.stderr
+    # the shuffle steps in between (one task each on this small corpus) are not run again either
+    steps = {"exact keys", "exact duplicates", "bands", "buckets", "pairs", "similarity", "drop lists"}
+    assert steps <= set(resumed) and set(resumed.values()) == {"1 of 1"}, again.stderr
+    assert any(k.startswith("components, round") for k in resumed), again.stderr
     assert not (tmp_path / ".out.partial").exists()
     assert _output(out) == _output(tmp_path / "clean")
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from shipyard.config import Config, MeshConfig
+from shipyard.data.sizing import parse_amount
 from shipyard.errors import ConfigError
 
 if TYPE_CHECKING:  # jax is imported only where a plan needs it
@@ -57,32 +58,10 @@ DEVICES = {
     "cpu": Device("cpu", 24 * 2**30, 150e9),
 }
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
 
 def parse_bytes(text: str) -> float:
-    """'80GiB', '141 GB', '1.5e9' -> bytes."""
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        value = None
-    if value is None or unit not in _UNITS or value <= 0:
-        raise ConfigError(f"--device-memory: {text!r} is not a size; expected e.g. 80GiB, 141GB or 8e10")
-    return value * _UNITS[unit]
+    """'80GiB', '141 GB', '1.5e9' -> bytes (the data planner's reading of an amount)."""
+    return parse_amount(text, "--device-memory", "a size", "80GiB, 141GB or 8e10")
 
 
 def parse_mesh(text: str) -> dict[str, int]:

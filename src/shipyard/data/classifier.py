@@ -23,14 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from shipyard import storage
+from shipyard.data import shuffle
 from shipyard.data.configs import ClassifierTrainConfig, ClassifyConfig, ReadConfig
 from shipyard.data.documents import Document, ReadStats, check_bad_fraction, read_documents, read_unit
+from shipyard.data.hashcache import file_sha256
 from shipyard.data.published import local_dir
+from shipyard.data.resume import header
 from shipyard.data.stage import (
     StageStats,
     Workers,
     batches,
     config_record,
+    open_pool,
     part_path,
     plan,
     publish_part,
@@ -43,6 +47,7 @@ from shipyard.output import write_json
 POSITIVE, NEGATIVE = "__label__hq", "__label__lq"
 TOKEN = re.compile(r"\w+|[^\w\s]")
 MODEL_FILE, REPORT_FILE = "model.bin", "report.json"
+SCORES = "_scores"  # the --top-fraction scoring pass's per-unit scores, inside the output being built
 
 
 def _fasttext():
@@ -264,11 +269,18 @@ def _unit_scores(unit, text_field: str, read: ReadStats, known: np.ndarray | Non
         done += len(batch)
 
 
-def _score_only(item: tuple) -> np.ndarray:
-    """Worker, first pass of --top-fraction: every score of one unit, in order."""
-    unit, text_field = item
+def _scores_file(stage_dir: str, u: int) -> str:
+    return f"{stage_dir.rstrip('/')}/{SCORES}/{u:05d}.npy"
+
+
+def _score_only(item: tuple) -> dict:
+    """Worker, first pass of --top-fraction: every score of unit `u`, in order, into its scratch
+    file (`_scores/`, inside the output being built: journaled, and read back by the second pass)."""
+    u, unit, stage_dir, text_field = item
     parts = [s for _, s in _unit_scores(unit, text_field, ReadStats())]
-    return np.concatenate(parts) if parts else np.zeros(0)
+    path = _scores_file(stage_dir, u)
+    digest = shuffle.put_array(path, np.concatenate(parts) if parts else np.zeros(0))
+    return {"files": {path: digest}}
 
 
 def _record(doc: Document, field: str, score: float) -> bytes:
@@ -305,8 +317,9 @@ class _PartWriter:
 
 def _classify_unit(item: tuple) -> dict:
     """Worker: score one unit, keep by the cutoff (and this unit's share of tied scores), write part `index`."""
-    index, unit, out_dir, text_field, cutoff, ties, known = item
+    index, unit, out_dir, text_field, cutoff, ties, ranked = item
     _, _, cfg = _state()
+    known = shuffle.get_array(_scores_file(out_dir, index)) if ranked else None
     read = ReadStats()
     r = {"documents_in": 0, "bytes_out": 0, "documents_out": 0, "dropped": Counter()}
     hist = np.zeros(cfg.histogram_bins, np.int64)
@@ -331,7 +344,8 @@ def _classify_unit(item: tuple) -> dict:
     finally:
         written = writer.close() is not None
     r.update(publish_part(writer.path, written, out_dir))
-    r.update(bytes_in=read.bytes, read=read, histogram=hist, levels=examples)
+    # plain lists: a unit's result is journaled as JSON (resume.py)
+    r.update(bytes_in=read.bytes, read=read, histogram=hist.tolist(), levels=sorted(examples.items()))
     return r
 
 
@@ -376,30 +390,41 @@ def run_classify(
     units = plan(inputs)
     stats = StageStats("classify", inputs, config_record(read, classify=cfg), workers)  # times both passes
     init = (str(Path(model_dir).resolve()), cfg)  # absolute: a Ray task on another node reads it too
-    if cfg.top_fraction is not None:
-        items = ((u, read.text_field) for u in units)
-        scores = list(run_units("classify (scoring)", units, _score_only, items, workers, _init, init))
-        cutoff, ties = top_fraction_cutoffs(scores, cfg.top_fraction)
-    else:
-        cutoff = cfg.threshold if cfg.threshold is not None else 0.5
-        ties, scores = [-1] * len(units), None
+    model = {"source": named, "sha256": file_sha256(Path(model_dir) / MODEL_FILE)}
+    run = header("classify", [storage.redact(i) for i in inputs], {**stats.config, "model": model}, units)
+    ranked = cfg.top_fraction is not None
     hist = np.zeros(cfg.histogram_bins, np.int64)
     levels: dict[int, dict] = {}
-    with stage_output(out, overwrite, "classify", workers) as dest:
+    with (
+        stage_output(out, overwrite, "classify", workers, run) as dest,
+        open_pool(workers, _init, init) as pool,
+    ):
         tmp = dest.local
-        items = (
-            (i, u, dest.parts, read.text_field, cutoff, ties[i], scores[i] if scores is not None else None)
-            for i, u in enumerate(units)
-        )
+        if ranked:
+            items = ((u, unit, dest.parts, read.text_field) for u, unit in enumerate(units))
+            scoring = run_units(
+                "classify (scoring)", units, _score_only, items, pool, _init, init, dest.journal("scores")
+            )
+            for _ in scoring:
+                pass
+            scores = [shuffle.get_array(_scores_file(dest.parts, u)) for u in range(len(units))]
+            cutoff, ties = top_fraction_cutoffs(scores, cfg.top_fraction)
+            del scores
+        else:
+            cutoff = cfg.threshold if cfg.threshold is not None else 0.5
+            ties = [-1] * len(units)
+        items = ((i, u, dest.parts, read.text_field, cutoff, ties[i], ranked) for i, u in enumerate(units))
         parts = []
-        for r in run_units("classify", units, _classify_unit, items, workers, _init, init):
+        for r in run_units("classify", units, _classify_unit, items, pool, _init, init, dest.journal()):
             stats.add(r)
             dest.add(r)
-            hist += r["histogram"]
-            for level, ex in r["levels"].items():
+            hist += np.asarray(r["histogram"], np.int64)
+            for level, ex in r["levels"]:
                 levels.setdefault(level, ex)
             if r["part"]:
                 parts.append(r["part"])
+        if ranked:
+            storage.remove(f"{str(dest.parts).rstrip('/')}/{SCORES}")
         check_bad_fraction(stats.read, read.max_bad_fraction, "data classify")
         stats.extra = {
             "model": named,

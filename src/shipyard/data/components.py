@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from shipyard.data import shuffle
+from shipyard.data.resume import Journals, no_journal
 from shipyard.data.stage import Workers, run_tasks
 from shipyard.errors import DataError
 
@@ -40,12 +41,13 @@ def unit_of(idx: np.ndarray) -> np.ndarray:
     return (np.asarray(idx, np.uint64) >> np.uint64(32)).astype(np.int64)
 
 
-def write_edges(path: str, x: np.ndarray, y: np.ndarray, partitions: int) -> None:
-    """Undirected edges {x, y} as directed records both ways, each in its first node's partition."""
+def write_edges(path: str, x: np.ndarray, y: np.ndarray, partitions: int) -> str:
+    """Undirected edges {x, y} as directed records both ways, each in its first node's partition;
+    the file's sha256."""
     records = np.empty(2 * len(x), EDGE)
     records["a"] = np.concatenate((x, y))
     records["b"] = np.concatenate((y, x))
-    shuffle.write(path, records, node_partition(records["a"], partitions), partitions)
+    return shuffle.write(path, records, node_partition(records["a"], partitions), partitions)
 
 
 def grouped(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,28 +84,34 @@ def star_task(item: tuple) -> dict:
     a, b, first = grouped(shuffle.gather(sources, p, partitions, EDGE))
     if kind == "small":
         x, y = small_star(a, b, first)
-        write_edges(target, x, y, partitions)
-        return {"edges": len(x)}
+        return {"edges": len(x), "files": {target: write_edges(target, x, y, partitions)}}
     x, y, star, smaller = large_star(a, b, first)
-    write_edges(target, x, y, partitions)
+    files = {target: write_edges(target, x, y, partitions)}
     nodes = np.zeros(len(smaller), NODE)
     nodes["idx"] = smaller
-    shuffle.write(removed, nodes, unit_of(smaller) * groups // units, groups)
-    return {"edges": len(x), "star": star}
+    files[removed] = shuffle.write(removed, nodes, unit_of(smaller) * groups // units, groups)
+    return {"edges": len(x), "star": star, "files": files}
 
 
 def non_centres(
-    work: str, sources: list[str], partitions: int, shape: tuple[int, int], workers: Workers
+    work: str,
+    sources: list[str],
+    partitions: int,
+    shape: tuple[int, int],
+    workers: Workers,
+    journal: Journals = no_journal,
 ) -> list[str]:
     """Files of every node that is not the smallest of its connected component, for the graph whose
     directed edges (both ways) are in `sources` (partitioned by `node_partition`). `shape`: (units,
-    groups); the files are partitioned by group (unit * groups // units)."""
+    groups); the files are partitioned by group (unit * groups // units). `journal(name)`: the
+    resume journal of a round (`StageDir.journal`), so a rerun goes on from the finished rounds."""
     for r in range(MAX_ROUNDS):
         kind = "large" if r % 2 == 0 else "small"
         targets = [f"{work}/cc{r + 1}/{p:05d}.bin" for p in range(partitions)]
         removed = [f"{work}/cc{r + 1}/removed-{p:05d}.bin" for p in range(partitions)]
         items = [(kind, p, sources, targets[p], partitions, removed[p], shape) for p in range(partitions)]
-        results = run_tasks(f"dedup: components, round {r + 1} ({kind} star)", star_task, items, workers)
+        desc = f"dedup: components, round {r + 1} ({kind} star)"
+        results = run_tasks(desc, star_task, items, workers, journal(f"cc{r + 1}"))
         if kind == "large" and all(res["star"] for res in results):
             return removed
         sources = targets

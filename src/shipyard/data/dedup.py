@@ -115,7 +115,6 @@ def sketch_unit(item: tuple) -> dict:
         files[scratch.sig(u)] = shuffle.put_array(scratch.sig(u), sig)
     if cfg.exact:
         files[scratch.keys(u)] = steps.write_exact_keys(scratch, u, keys)
-    files = shuffle.journaled(scratch.stage_dir, files)
     return {"n": len(ids), "read": read, "documents_in": len(ids), "bytes_in": read.bytes, "files": files}
 
 
@@ -172,7 +171,11 @@ def run_dedup(
     inputs = [str(p) for p in inputs]
     units = plan(inputs)
     stats = StageStats("dedup", inputs, config_record(read, dedup=cfg), workers)
-    run = header("dedup", [storage.redact(i) for i in inputs], stats.config, units)
+    partitions = partitions or partitions_for(len(units), sum(u.size for u in units))
+    # the shuffle steps are journaled too: their files are only the same for the same partitions
+    run = header(
+        "dedup", [storage.redact(i) for i in inputs], {**stats.config, "partitions": partitions}, units
+    )
     with (
         stage_output(out, overwrite, "dedup", workers, run) as dest,
         open_pool(workers, _init, (cfg,)) as pool,
@@ -180,7 +183,7 @@ def run_dedup(
         scratch = steps.Scratch(
             str(dest.parts).rstrip("/"),
             len(units),
-            partitions or partitions_for(len(units), sum(u.size for u in units)),
+            partitions,
         )
         counts = []
         items = ((u, unit, read.text_field, scratch) for u, unit in enumerate(units))
@@ -190,13 +193,17 @@ def run_dedup(
             stats.add(r)
             counts.append(r["n"])
         check_bad_fraction(stats.read, read.max_bad_fraction, "data dedup")
-        exact = steps.run_exact(scratch, cfg, pool) if cfg.exact else {"duplicates": 0, "examples": []}
+        exact = (
+            steps.run_exact(scratch, cfg, pool, dest.journal)
+            if cfg.exact
+            else {"duplicates": 0, "examples": []}
+        )
         fuzzy = (
-            steps.run_fuzzy(scratch, cfg, pool)
+            steps.run_fuzzy(scratch, cfg, pool, dest.journal)
             if cfg.fuzzy
             else {"candidate_pairs": 0, "similar_pairs": 0, "non_centres": None}
         )
-        steps.run_drops(scratch, cfg.exact, fuzzy["non_centres"], pool)
+        steps.run_drops(scratch, cfg.exact, fuzzy["non_centres"], pool, dest.journal)
         items = (
             (u, unit, dest.parts, read.text_field, counts[u], scratch, cfg) for u, unit in enumerate(units)
         )

@@ -29,6 +29,7 @@ import numpy as np
 from shipyard.data import components, shuffle
 from shipyard.data.components import NODE, unit_of
 from shipyard.data.configs import DedupConfig
+from shipyard.data.resume import Journals, no_journal
 from shipyard.data.stage import Workers, run_tasks
 
 LOW = np.uint64(0xFFFFFFFF)
@@ -112,8 +113,8 @@ def exact_map_task(item: tuple) -> dict:
     parts = [shuffle.get_array(scratch.keys(u)) for u in scratch.units_in(g)]
     records = np.concatenate(parts) if parts else np.zeros(0, EXACT)
     part = (records["k0"] % np.uint64(scratch.partitions)).astype(np.int64)
-    shuffle.write(scratch.files("exact", scratch.groups)[g], records, part, scratch.partitions)
-    return {}
+    target = scratch.files("exact", scratch.groups)[g]
+    return {"files": {target: shuffle.write(target, records, part, scratch.partitions)}}
 
 
 def exact_task(item: tuple) -> dict:
@@ -129,17 +130,21 @@ def exact_task(item: tuple) -> dict:
     removed["idx"], removed["first"] = rec["idx"][~starts], first[~starts]
     removed = removed[np.argsort(removed["idx"], kind="stable")]
     target = scratch.files("exact-removed", scratch.partitions)[p]
-    shuffle.write(target, removed, scratch.group_of(removed["idx"]), scratch.groups)
-    shown = [(int(r["idx"]), int(r["first"]), 1.0) for r in removed[:max_examples]]
-    return {"duplicates": len(removed), "examples": shown}
+    digest = shuffle.write(target, removed, scratch.group_of(removed["idx"]), scratch.groups)
+    shown = [
+        [int(r["idx"]), int(r["first"]), 1.0] for r in removed[:max_examples]
+    ]  # lists: as JSON reads them
+    return {"duplicates": len(removed), "examples": shown, "files": {target: digest}}
 
 
-def run_exact(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
-    """Exact duplicates: their count and the first `max_examples // 2` (removed, kept, 1.0) triples."""
+def run_exact(scratch: Scratch, cfg: DedupConfig, workers: Workers, journal: Journals = no_journal) -> dict:
+    """Exact duplicates: their count and the first `max_examples // 2` (removed, kept, 1.0) triples.
+    `journal(step)`: each step's resume journal (`StageDir.journal`)."""
     shown = cfg.max_examples // 2
-    run_tasks("dedup: exact keys", exact_map_task, [(g, scratch) for g in range(scratch.groups)], workers)
+    items = [(g, scratch) for g in range(scratch.groups)]
+    run_tasks("dedup: exact keys", exact_map_task, items, workers, journal("exact-keys"))
     items = [(p, scratch, shown) for p in range(scratch.partitions)]
-    results = run_tasks("dedup: exact duplicates", exact_task, items, workers)
+    results = run_tasks("dedup: exact duplicates", exact_task, items, workers, journal("exact"))
     examples = sorted(e for r in results for e in r["examples"])[:shown]
     return {"duplicates": sum(r["duplicates"] for r in results), "examples": examples}
 
@@ -176,8 +181,8 @@ def band_task(item: tuple) -> dict:
     for r in range(cfg.rows):
         h = shuffle.mix64(h ^ records["key"][:, r].astype(np.uint64))
     part = (h % np.uint64(scratch.partitions)).astype(np.int64)
-    shuffle.write(scratch.files("bands", scratch.groups)[g], records, part, scratch.partitions)
-    return {}
+    target = scratch.files("bands", scratch.groups)[g]
+    return {"files": {target: shuffle.write(target, records, part, scratch.partitions)}}
 
 
 def band_dtype(rows: int) -> np.dtype:
@@ -201,8 +206,7 @@ def bucket_task(item: tuple) -> dict:
     pairs["i"] = np.concatenate((members[:-1][same], first[inner]))
     pairs["j"] = np.concatenate((members[1:][same], members[inner]))
     target = scratch.files("pairs", scratch.partitions)[q]
-    shuffle.write(target, pairs, scratch.group_of(pairs["i"]), scratch.groups)
-    return {}
+    return {"files": {target: shuffle.write(target, pairs, scratch.group_of(pairs["i"]), scratch.groups)}}
 
 
 def half_dtype(num_perm: int) -> np.dtype:
@@ -233,8 +237,8 @@ def verify_i_task(item: tuple) -> dict:
     half["i"], half["j"] = ij[:, 0], ij[:, 1]
     half["sig"] = signatures(scratch, half["i"], num_perm)
     target = scratch.files("half", scratch.groups)[g]
-    shuffle.write(target, half, scratch.group_of(half["j"]), scratch.groups)
-    return {"candidate_pairs": len(ij)}
+    digest = shuffle.write(target, half, scratch.group_of(half["j"]), scratch.groups)
+    return {"candidate_pairs": len(ij), "files": {target: digest}}
 
 
 PARTNER = np.dtype([("j", "<u8"), ("i", "<u8"), ("jaccard", "<f8")])
@@ -250,26 +254,30 @@ def verify_j_task(item: tuple) -> dict:
     jac = (half["sig"] == signatures(scratch, half["j"], num_perm)).mean(axis=1) if len(half) else np.zeros(0)
     similar = jac >= threshold
     i, j = half["i"][similar], half["j"][similar]
-    components.write_edges(scratch.files("cc0", scratch.groups)[g], i, j, scratch.partitions)
+    edges = scratch.files("cc0", scratch.groups)[g]
+    files = {edges: components.write_edges(edges, i, j, scratch.partitions)}
     # for each j, the last similar pair in (i, j) order: the largest i
     order = np.lexsort((i, j))
     last = np.concatenate((j[order][1:] != j[order][:-1], [True])) if len(order) else np.zeros(0, bool)
     partner = np.zeros(int(last.sum()), PARTNER)
     partner["j"], partner["i"], partner["jaccard"] = j[order][last], i[order][last], jac[similar][order][last]
-    shuffle.put_array(f"{scratch.root}/partner/{g:05d}.npy", partner)
-    return {"similar_pairs": int(similar.sum())}
+    target = f"{scratch.root}/partner/{g:05d}.npy"
+    files[target] = shuffle.put_array(target, partner)
+    return {"similar_pairs": int(similar.sum()), "files": files}
 
 
-def run_fuzzy(scratch: Scratch, cfg: DedupConfig, workers: Workers) -> dict:
+def run_fuzzy(scratch: Scratch, cfg: DedupConfig, workers: Workers, journal: Journals = no_journal) -> dict:
     """Bands, buckets, the two verification hops and the components: the candidate and similar
-    pair counts (the non-centre files are where `fuzzy_removed` reads)."""
+    pair counts (the non-centre files are where `fuzzy_removed` reads). `journal`: as run_exact."""
     U, P, G = scratch.units, scratch.partitions, scratch.groups
-    run_tasks("dedup: bands", band_task, [(g, scratch, cfg) for g in range(G)], workers)
-    run_tasks("dedup: buckets", bucket_task, [(q, scratch, cfg.rows) for q in range(P)], workers)
-    first = run_tasks("dedup: pairs", verify_i_task, [(g, scratch, cfg.num_perm) for g in range(G)], workers)
+    run_tasks("dedup: bands", band_task, [(g, scratch, cfg) for g in range(G)], workers, journal("bands"))
+    items = [(q, scratch, cfg.rows) for q in range(P)]
+    run_tasks("dedup: buckets", bucket_task, items, workers, journal("buckets"))
+    items = [(g, scratch, cfg.num_perm) for g in range(G)]
+    first = run_tasks("dedup: pairs", verify_i_task, items, workers, journal("pairs"))
     items = [(g, scratch, cfg.num_perm, cfg.threshold) for g in range(G)]
-    second = run_tasks("dedup: similarity", verify_j_task, items, workers)
-    removed = components.non_centres(scratch.root, scratch.files("cc0", G), P, (U, G), workers)
+    second = run_tasks("dedup: similarity", verify_j_task, items, workers, journal("similarity"))
+    removed = components.non_centres(scratch.root, scratch.files("cc0", G), P, (U, G), workers, journal)
     return {
         "candidate_pairs": sum(r["candidate_pairs"] for r in first),
         "similar_pairs": sum(r["similar_pairs"] for r in second),
@@ -292,14 +300,21 @@ def drops_task(item: tuple) -> dict:
     drops["fuzzy"][len(gone[0]) :] = 1
     drops = drops[np.argsort(drops["idx"], kind="stable")]
     owner = unit_of(drops["idx"])
-    for u in scratch.units_in(g):
-        shuffle.put_array(scratch.drops(u), drops[owner == u])
-    return {}
+    files = {
+        scratch.drops(u): shuffle.put_array(scratch.drops(u), drops[owner == u]) for u in scratch.units_in(g)
+    }
+    return {"files": files}
 
 
-def run_drops(scratch: Scratch, exact: bool, non_centres: list[str] | None, workers: Workers) -> None:
+def run_drops(
+    scratch: Scratch,
+    exact: bool,
+    non_centres: list[str] | None,
+    workers: Workers,
+    journal: Journals = no_journal,
+) -> None:
     items = [(g, scratch, exact, non_centres) for g in range(scratch.groups)]
-    run_tasks("dedup: drop lists", drops_task, items, workers)
+    run_tasks("dedup: drop lists", drops_task, items, workers, journal("drops"))
 
 
 def unit_drops(scratch: Scratch, u: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,11 @@ unit whose files are all there with those digests and runs the rest, so its outp
 bytes as an uninterrupted run's; `_resume/` is removed before the output is renamed into place.
 A partial run with another header is never mixed in: the rerun refuses it in one line, or starts
 over with --overwrite.
+
+An output URL is resumed the same way with its partial state in the bucket: the units' parts and
+scratch files are uploaded by the tasks to the (unpublished: tagged, no marker) prefix itself, and
+`_resume/` lives under it (`open_remote`); so a rerun from another machine resumes it too. The
+digests of a resumed run's files are checked by the stage's workers (`finished`), not the driver.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import hashlib
 import json
 import shutil
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shipyard import __version__
+from shipyard import __version__, storage
 from shipyard.data.documents import ReadStats, Unit
+from shipyard.data.hashcache import file_sha256
 from shipyard.errors import DataError
 from shipyard.output import write_json
 
@@ -30,50 +37,99 @@ RESUME = "_resume"
 def header(stage: str, inputs: list[str], config: dict, units: list[Unit]) -> dict:
     """What makes two runs the same run: a partial output is resumed only under the same header."""
     plan = json.dumps([asdict(u) for u in units], sort_keys=True).encode()
-    return {
-        "stage": stage,
-        "shipyard_version": __version__,
-        "inputs": inputs,
-        "config": config,
-        "units": {"count": len(units), "sha256": hashlib.sha256(plan).hexdigest()},
-    }
+    # through JSON: the header compares equal to itself read back (tuples become lists)
+    return json.loads(
+        json.dumps(
+            {
+                "stage": stage,
+                "shipyard_version": __version__,
+                "inputs": inputs,
+                "config": config,
+                "units": {"count": len(units), "sha256": hashlib.sha256(plan).hexdigest()},
+            }
+        )
+    )
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+def read_if_there(path: str | Path) -> bytes | None:
+    """A file's or object's bytes; None when it is not there."""
+    try:
+        return storage.read_bytes(str(path)) if storage.is_url(path) else Path(path).read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    except storage.StorageError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            return None
+        raise
+
+
+def stored_sha256(path: str | Path) -> str | None:
+    """A file's or object's sha256; None when it is not there."""
+    if not storage.is_url(path):
+        try:
+            return file_sha256(path)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+    data = read_if_there(path)
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def intact(item: tuple) -> bool:
+    """Worker: whether every file {relative path: sha256} under `root` is there with its digest."""
+    root, files = item
+    return all(stored_sha256(storage.join(root, rel)) == digest for rel, digest in files.items())
 
 
 @dataclass(frozen=True)
 class Journal:
     """The finished units of one pass of a partial output at `root`."""
 
-    root: Path
-    """The partial output directory (the files units list are relative to it)."""
+    root: str | Path
+    """The partial output: a directory or an output URL (the files units list are relative to it)."""
     name: str
     """The pass ('units', or a stage's own: 'sketch', 'write')."""
 
-    def path(self, index: int) -> Path:
-        return self.root / RESUME / f"{self.name}-{index:05d}.json"
+    def path(self, index: int) -> str | Path:
+        return storage.join(self.root, RESUME, f"{self.name}-{index:05d}.json")
 
-    def done(self, index: int) -> dict | None:
-        """Unit `index`'s recorded result, when every file it wrote is there with its digest."""
+    def entry(self, index: int) -> dict | None:
+        """Unit `index`'s record as written (its files not checked)."""
+        data = read_if_there(self.path(index))
         try:
-            entry = json.loads(self.path(index).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            return None if data is None else json.loads(data)
+        except json.JSONDecodeError:
             return None
-        for rel, digest in entry["files"].items():
-            target = self.root / rel
-            if not target.is_file() or file_sha256(target) != digest:
-                return None
-        return decode(entry["result"])
+
+    def finished(self, count: int, check: Callable[[Iterable], Iterator[bool]]) -> dict[int, dict]:
+        """The recorded results of the units of `count` whose files are all there with their
+        digests; `check` maps `intact` over (root, files) items (the stage's pool)."""
+        entries = {i: e for i in range(count) if (e := self.entry(i)) is not None}
+        if not entries:
+            return {}
+        verdicts = check((self.root, e["files"]) for e in entries.values())
+        return {i: decode(e["result"]) for (i, e), ok in zip(entries.items(), verdicts) if ok}
 
     def record(self, index: int, result: dict) -> None:
-        """Note unit `index` as finished (after its files are written)."""
-        write_json(self.path(index), {"files": result.get("files", {}), "result": encode(result)})
+        """Note unit `index` as finished (after its files are written). Its result's `files`
+        ({path: sha256}, a path absolute or relative to the root) are listed relative to the root."""
+        root = f"{str(self.root).rstrip('/')}/"
+        files = {(p[len(root) :] if p.startswith(root) else p): d for p, d in result.get("files", {}).items()}
+        result = {**result, "files": files}
+        entry = {"files": files, "result": encode(result)}
+        path = self.path(index)
+        if storage.is_url(path):
+            storage.write_bytes(path, json.dumps(entry, sort_keys=True).encode())
+        else:
+            write_json(path, entry)
+
+
+Journals = Callable[[str], "Journal | None"]
+"""A stage's journal of each named pass or step (`StageDir.journal`)."""
+
+
+def no_journal(name: str) -> None:
+    """The `Journals` of a stage that is not resumed."""
+    return None
 
 
 def encode(result: dict) -> dict:
@@ -108,6 +164,9 @@ def open_partial(out: Path, run: dict, overwrite: bool, what: str) -> Path:
         except (FileNotFoundError, json.JSONDecodeError):
             old = None
         if old == run:
+            # what a killed writer left half-written beside its file (written beside, then renamed)
+            for stray in partial.rglob(".*.tmp"):
+                stray.unlink()
             return partial
         if old is not None and not overwrite:
             raise DataError(
@@ -118,6 +177,37 @@ def open_partial(out: Path, run: dict, overwrite: bool, what: str) -> Path:
     (partial / RESUME).mkdir(parents=True)
     write_json(head, run)
     return partial
+
+
+def open_remote(url: str, run: dict, overwrite: bool, what: str) -> bool:
+    """Whether output URL `url` holds an unfinished run `run` to resume (True), or nothing of one
+    (False: the caller starts it afresh). Another unfinished run's is refused in one line unless
+    `overwrite` (then the caller removes it)."""
+    data = read_if_there(storage.join(url, RESUME, "header.json"))
+    try:
+        old = None if data is None else json.loads(data)
+    except json.JSONDecodeError:
+        old = None
+    if old is None:
+        return False
+    if storage.is_published(url):  # a finished output: its _resume/ is a leftover, not a partial run
+        return False
+    if old == run:
+        return True
+    if not overwrite:
+        raise DataError(
+            f"{what}: {storage.redact(url)} holds a partial run with other settings "
+            f"({difference(old, run)}); rerun with the same inputs and settings to resume it, "
+            "or pass --overwrite to start over"
+        )
+    return False
+
+
+def start_remote(url: str, run: dict) -> None:
+    """Record run `run` as the one the unfinished output URL `url` is being built by."""
+    storage.write_bytes(
+        str(storage.join(url, RESUME, "header.json")), json.dumps(run, sort_keys=True).encode()
+    )
 
 
 def difference(old: dict, new: dict, prefix: str = "") -> str:

@@ -45,12 +45,11 @@ class TokenScratch:
 
 
 def save_unit(scratch: TokenScratch, u: int, tokens: np.ndarray, lengths: np.ndarray) -> dict[str, str]:
-    """In the encode task: unit `u`'s tokens and lengths; {relative path: sha256} of the two files."""
-    files = {
+    """In the encode task: unit `u`'s tokens and lengths; {path: sha256} of the two files."""
+    return {
         scratch.tokens(u): shuffle.put(scratch.tokens(u), np.ascontiguousarray(tokens).tobytes()),
         scratch.lengths(u): shuffle.put_array(scratch.lengths(u), lengths.astype(np.int64)),
     }
-    return shuffle.journaled(scratch.stage_dir, files)
 
 
 def cut(lengths: np.ndarray, filled: int, shard_tokens: int) -> list[int]:
@@ -117,10 +116,12 @@ def write_shard(item: tuple) -> dict:
             "documents": sum(p[3] for p in pieces),
             "sha256": h.hexdigest(),
         }
+        files = {name: h.hexdigest()}  # for the resume journal
         if not storage.is_url(dest):
-            return {"entry": entry}
+            return {"entry": entry, "files": files}
         storage.write_bytes(str(storage.join(dest, name)), target.read_bytes())
-        return {"entry": entry, "uploaded": {name: {"bytes": target.stat().st_size, "sha256": h.hexdigest()}}}
+        uploaded = {name: {"bytes": target.stat().st_size, "sha256": h.hexdigest()}}
+        return {"entry": entry, "uploaded": uploaded, "files": files}
     finally:
         if storage.is_url(dest):
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -88,12 +88,6 @@ def gather(paths: list[str], p: int, partitions: int, dtype: np.dtype) -> np.nda
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def journaled(stage_dir: str, written: dict[str, str]) -> dict[str, str]:
-    """A task's written files {path: sha256} keyed as a resume journal lists them: relative to the
-    stage directory `stage_dir` the paths are under."""
-    return {path[len(stage_dir) + 1 :]: digest for path, digest in written.items()}
-
-
 def put_array(path: str, array: np.ndarray) -> str:
     """A plain array as an .npy file (numpy's own format, no pickle)."""
     buf = io.BytesIO()

@@ -75,9 +75,9 @@ _SCALE = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BINARY = {"KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40, "PI": 1 << 50}
 
 
-def parse_amount(text: str, flag: str, what: str) -> float:
+def parse_amount(text: str, flag: str, what: str, examples: str = "10TB, 2.5PiB, 15T or 1.5e13") -> float:
     """'10TB', '2.5 PiB', '15T', '1.5e13' -> a number (decimal suffixes are powers of 1000, 'i' ones
-    of 1024; a trailing B is optional)."""
+    of 1024; a trailing B is optional). A bad one is a ConfigError naming `flag`."""
     t = text.strip().upper().replace(" ", "").removesuffix("B")
     num = t.rstrip("KMGTPI")
     unit = t[len(num) :]
@@ -87,7 +87,7 @@ def parse_amount(text: str, flag: str, what: str) -> float:
     except ValueError:
         value = float("nan")
     if scale is None or not value > 0 or math.isinf(value):
-        raise ConfigError(f"{flag}: {text!r} is not {what}; expected e.g. 10TB, 2.5PiB, 15T or 1.5e13")
+        raise ConfigError(f"{flag}: {text!r} is not {what}; expected e.g. {examples}")
     return value * scale
 
 

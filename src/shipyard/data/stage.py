@@ -23,7 +23,9 @@ could deadlock if it has started JAX or tokenizers' threads. Given a
 `cluster.RayCluster` instead of a worker count, a stage runs its units as Ray
 tasks on that cluster (cluster.py) with the same outputs; a URL output then
 gets its parts uploaded by the tasks themselves (`StageDir.parts`), so no
-node needs the driver's disk.
+node needs the driver's disk. So does a resumable stage's (one given a
+`resume.header`) on any workers: its parts and journal live in the unpublished
+prefix, where a rerun finds them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shipyard import __version__, storage
+from shipyard.data import resume
 from shipyard.data.cluster import RayCluster, ray_map
 from shipyard.data.documents import (
     Document,
@@ -52,7 +55,8 @@ from shipyard.data.documents import (
     plan_units,
     read_unit,
 )
-from shipyard.data.resume import RESUME, Journal, file_sha256, header, open_partial
+from shipyard.data.hashcache import file_sha256
+from shipyard.data.resume import RESUME, Journal, header, intact, open_partial
 from shipyard.data.sources import STAGE_TAG
 from shipyard.errors import DataError, ShipyardError
 from shipyard.output import atomic_dir, progress, refuse_existing, write_json
@@ -159,8 +163,9 @@ class StageDir:
     """Whether `local` is a partial output whose finished units are journaled (resume.py)."""
 
     def journal(self, name: str = "units") -> Journal | None:
-        """The journal of pass `name` (for `run_units`), or None when this output is not resumable."""
-        return Journal(self.local, name) if self.resumable else None
+        """The journal of pass `name` (for `run_units`), or None when this output is not resumable;
+        it lives where the parts go (`parts`: the partial directory, or the output URL)."""
+        return Journal(self.parts, name) if self.resumable else None
 
     def add(self, result: dict) -> None:
         """Note a unit's uploaded part (its result's `uploaded` entry)."""
@@ -190,16 +195,31 @@ def stage_output(
             yield StageDir(tmp, str(tmp.resolve()))
         return
     url = str(out)
-    if not overwrite and output_exists(url):
-        raise DataError(f"data {stage}: {storage.redact(url)} already exists; {HINT}")
-    remote_parts = isinstance(workers, RayCluster)
-    if remote_parts:
-        unpublish(url, stage)
+    what = f"data {stage}"
+    # a resumable run's parts, scratch and journal go to the URL itself, from the tasks (resume.py)
+    remote_parts = isinstance(workers, RayCluster) or run is not None
+    resuming = run is not None and resume.open_remote(url, run, overwrite, what)
+    if not resuming:
+        if not overwrite and output_exists(url):
+            raise DataError(f"{what}: {storage.redact(url)} already exists; {HINT}")
+        if remote_parts:
+            unpublish(url, stage)
+        if run is not None:
+            resume.start_remote(url, run)
     staging = Path(tempfile.mkdtemp(prefix=f"shipyard-{stage}-"))
     try:
-        with atomic_dir(staging / "out", f"data {stage}", error=DataError) as tmp:
-            dest = StageDir(tmp, url if remote_parts else str(tmp))
-            yield dest
+        with atomic_dir(staging / "out", what, error=DataError) as tmp:
+            dest = StageDir(tmp, url if remote_parts else str(tmp), resumable=run is not None)
+            try:
+                yield dest
+            except ShipyardError:
+                if run is not None:  # bad input or settings: a rerun changes something; start it afresh
+                    # best effort: the store may be what failed, and that error is the one to show
+                    with contextlib.suppress(storage.StorageError):
+                        storage.remove(url, retry=storage.Retry(attempts=1))
+                raise
+        if run is not None:
+            storage.remove(str(storage.join(url, RESUME)))
         publish_output(staging / "out", url, stage, dest.uploaded if remote_parts else None)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -325,7 +345,7 @@ def publish_part(path: Path, written: bool, dest: str) -> dict:
         data = path.read_bytes()
         storage.write_bytes(str(storage.join(dest, name)), data)
         digest = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        return {"part": name, "uploaded": {name: digest}}
+        return {"part": name, "uploaded": {name: digest}, "files": {name: digest["sha256"]}}
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
 
@@ -466,9 +486,7 @@ def run_units(
     `journal` (`StageDir.journal`), units a cut-off earlier run finished are not run again: their
     recorded results come back in their place, and each new result is recorded."""
     items = list(items)
-    done = {i: r for i in range(len(items)) if journal and (r := journal.done(i)) is not None}
-    if done:
-        print(f"data {stage}: resuming: {len(done)} of {len(items)} units already done", file=sys.stderr)
+    done = finished(journal, len(items), workers, stage)
     todo = [item for i, item in enumerate(items) if i not in done]
     fresh = pool_map(fn, todo, workers, initializer, initargs)
     with progress_bytes(stage, sum(u.size for u in units)) as bar:
@@ -483,15 +501,35 @@ def run_units(
             yield result
 
 
-def run_tasks(desc: str, fn: Callable, items: list, workers: Workers) -> list:
+def run_tasks(desc: str, fn: Callable, items: list, workers: Workers, journal: Journal | None = None) -> list:
     """fn over `items` (tasks that are not input units: a shuffle's partitions) with a bar counting
-    tasks; the results in item order."""
+    tasks; the results in item order. With a `journal`, as `run_units`: the tasks a cut-off earlier
+    run finished (their results' `files` all there with their digests) are not run again."""
+    done = finished(journal, len(items), workers, desc)
+    fresh = pool_map(fn, [item for i, item in enumerate(items) if i not in done], workers)
     with progress(desc=desc, unit="task", total=len(items)) as bar:
         results = []
-        for r in pool_map(fn, items, workers):
+        for i in range(len(items)):
+            if i in done:
+                r = done[i]
+            else:
+                r = next(fresh)
+                if journal is not None:
+                    journal.record(i, r)
             bar.update(1)
             results.append(r)
         return results
+
+
+def finished(journal: Journal | None, count: int, workers: Workers, desc: str) -> dict[int, dict]:
+    """The results of the first `count` units or tasks that `journal` holds as finished, their files
+    verified by the stage's workers; says so when there are any."""
+    if journal is None:
+        return {}
+    done = journal.finished(count, lambda checks: pool_map(intact, checks, workers))
+    if done:
+        print(f"data {desc}: resuming: {len(done)} of {count} units already done", file=sys.stderr)
+    return done
 
 
 def part_name(index: int) -> str:

@@ -142,7 +142,7 @@ def run_tokenize(
         pieces = layout(scratch, len(units), cfg.shard_tokens)
         items = [(k, p, scratch, dest.parts) for k, p in enumerate(pieces)]
         shards = []
-        for r in run_tasks("tokenize: shards", write_shard, items, pool):
+        for r in run_tasks("tokenize: shards", write_shard, items, pool, dest.journal("shards")):
             shards.append(r["entry"])
             dest.add(r)
         storage.remove(f"{scratch.stage_dir}/{TOKEN_SCRATCH}")
