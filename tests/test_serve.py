@@ -206,6 +206,54 @@ def test_the_openai_client_raises_on_refusals(server, client):
     assert [m.id for m in client.models.list()] == ["tiny-chat"]
 
 
+def _scrape(server) -> dict[tuple, float]:
+    """GET /metrics through prometheus-client's own parser: {(sample name, labels...): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[(sample.name, *sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_metrics_count_what_the_requests_did(server, client):
+    before = _scrape(server)
+    replies = [
+        client.completions.create(model="tiny-chat", prompt=p, max_tokens=n)
+        for p, n in (("Simon", 5), ("Ra", 9))
+    ]
+    chat = client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Zugat"}], max_tokens=4
+    )
+    assert _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}).status_code == 400
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 401  # behind the key, as the API
+    after = _scrape(server)
+
+    def grew(*key) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    usage = [r.usage for r in (*replies, chat)]
+    assert grew("shipyard_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert grew("shipyard_generation_tokens_total") == sum(u.completion_tokens for u in usage)
+    finishes = [c.finish_reason for r in (*replies, chat) for c in r.choices]
+    for finish in set(finishes):
+        assert grew("shipyard_requests_total", ("finish", finish)) == finishes.count(finish)
+    assert grew("shipyard_time_to_first_token_seconds_count") == 3
+    assert grew("shipyard_time_per_output_token_seconds_count") == 3  # each reply has > 1 token
+    assert 0 < grew("shipyard_request_latency_seconds_sum") < 60
+    assert grew("shipyard_http_responses_total", ("path", "/v1/completions"), ("status", "200")) == 2
+    assert grew("shipyard_http_responses_total", ("path", "/v1/chat/completions"), ("status", "200")) == 1
+    assert grew("shipyard_http_responses_total", ("path", "/v1/completions"), ("status", "400")) == 1
+    assert grew("shipyard_http_responses_total", ("path", "/metrics"), ("status", "401")) == 1
+    # nothing runs between requests: every slot free, nothing queued, no cache held
+    assert after[("shipyard_free_slots",)] == after[("shipyard_max_slots",)] == 8
+    assert after[("shipyard_active_slots",)] == after[("shipyard_queue_depth",)] == 0
+    assert after[("shipyard_kv_cache_tokens",)] == after[("shipyard_kv_cache_usage_ratio",)] == 0
+
+
 @pytest.fixture(scope="module")
 def slow_server(run_dir, tmp_path_factory):
     """A server around the `small`-shaped model, whose requests last long enough to act on mid-way."""
@@ -228,12 +276,16 @@ def test_a_client_leaving_mid_stream_frees_its_slot(slow_server, client):
     while b"data: " not in received:  # streaming has begun
         received += sock.recv(4096)
     assert server.health()["active"] == 1
+    during = _scrape(server)  # the gauges read the engine: one slot held, its cache in use
+    assert during[("shipyard_active_slots",)] == 1 and during[("shipyard_free_slots",)] == 1
+    assert during[("shipyard_kv_cache_tokens",)] > 0 and 0 < during[("shipyard_kv_cache_usage_ratio",)] <= 0.5
     sock.close()
     deadline = time.monotonic() + 20
     while server.health()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.health()["active"] == 0  # freed long before its 900 tokens
     assert "client went away" in server.log_text()
+    assert _scrape(server)[("shipyard_requests_total", ("finish", "cancelled"))] == 1
     r = _post(server, "/v1/completions", {"model": "slow", "prompt": "Simon", "max_tokens": 3})
     assert r.json()["choices"][0]["finish_reason"] == "length"
 

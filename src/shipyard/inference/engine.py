@@ -379,6 +379,15 @@ class Engine:
         """Requests holding a slot now."""
         return sum(r is not None for r in self._slots)
 
+    def pending(self) -> int:
+        """Requests queued for a free slot (approximately: read from another thread)."""
+        return self._pending.qsize()
+
+    def kv_tokens(self) -> int:
+        """KV cache positions the requests holding a slot fill (read from another thread: a snapshot)."""
+        slots, pos = list(self._slots), list(self._pos)
+        return sum(p for r, p in zip(slots, pos) if r is not None)
+
     def start(self) -> Engine:
         self._thread = threading.Thread(target=self._run, name="shipyard-engine", daemon=True)
         self._thread.start()

@@ -12,6 +12,10 @@ are detokenized (`detokenize.IncrementalText`: whole characters, stop
 strings cut) and written out. A client that disconnects mid-stream cancels
 its request, which frees its slot at the next decode step.
 
+GET /metrics serves the Prometheus text format (metrics.py): queue depth, slots,
+KV cache use, token counters, time-to-first-token and per-token histograms,
+responses by status.
+
 Refusals are OpenAI-style error bodies: 400 for a malformed or unsupported
 request, 401 for a missing or wrong API key, 404 for an unknown route, 413
 for a body over the limit; the server keeps serving whatever it refuses.
@@ -30,12 +34,13 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from shipyard.inference.detokenize import IncrementalText
 from shipyard.inference.engine import Engine, Request, prompt_logprobs
+from shipyard.inference.metrics import CONTENT_TYPE, ServeMetrics
 from shipyard.inference.openai_api import (
     ApiError,
     ChatRequest,
@@ -69,6 +74,8 @@ class Service:
     """bos/eos/pad token strings (GET /tokenizer_info)."""
     chat_template: str | None = None
     """The model's Jinja chat template text, if it has one (GET /tokenizer_info)."""
+    metrics: ServeMetrics | None = None
+    """What GET /metrics reports (made by `create_app` when not given)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -103,8 +110,16 @@ class _Job:
         self.request = Request(prompt, sampling, self._on_tokens)
         self.tokens: list[int] = []
         self.service = service
+        self.arrived, self.first = time.perf_counter(), None
 
     def _on_tokens(self, tokens, logprobs, finish) -> None:  # the engine thread
+        if self.first is None and tokens:
+            self.first = time.perf_counter()
+        if finish is not None and self.service.metrics is not None:
+            n = self.request.generated
+            self.service.metrics.request_done(
+                len(self.request.prompt), n, finish, self.arrived, self.first, time.perf_counter()
+            )
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish))
 
     async def events(self) -> AsyncIterator[tuple[str, list[int], list, str | None]]:
@@ -220,6 +235,8 @@ def _parse(model_cls, raw: bytes, service: Service):
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1 << 20):
     """The FastAPI application serving `service` (run it with uvicorn; see `serve`)."""
     app = FastAPI(title="shipyard serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if service.metrics is None:
+        service.metrics = ServeMetrics(service.engine)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -245,6 +262,10 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             "max_batch": engine.max_batch,
             "active": engine.active(),
         }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -289,7 +310,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             raise ApiError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
         return {"prompt": service.decode(body.tokens)}
 
-    return _Guard(app, api_key, max_body_bytes)
+    return _Guard(app, api_key, max_body_bytes, service.metrics)
 
 
 def _model_card(service: Service) -> dict:
@@ -485,6 +506,15 @@ async def _stream_chat(service, body: ChatRequest, job: _Job, head, top, logged)
         yield "data: [DONE]\n\n"
 
 
+ROUTES = frozenset(
+    {
+        "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+        "/tokenizer_info", "/tokenize", "/detokenize",
+    }
+)  # fmt: skip
+"""The routes /metrics counts responses of by name (any other path counts as "other")."""
+
+
 class _Guard:
     """ASGI middleware in front of every route: the API key, then the body size limit.
 
@@ -493,12 +523,22 @@ class _Guard:
     the app's later `receive` calls still see a client's disconnect.
     """
 
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app, api_key: str | None, max_body: int, metrics: ServeMetrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.response(path, message["status"])
+            await send(message)
+
+        return await self._guarded(scope, receive, counted)
+
+    async def _guarded(self, scope, receive, send):
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")

@@ -1,0 +1,93 @@
+"""What `shipyard serve` counts, exposed at GET /metrics in the Prometheus text format.
+
+One registry per app (prometheus-client's default registry is process-global, and a test or a
+process serving two apps would mix their counts). Gauges read the engine when scraped (queue depth,
+slots, KV cache in use), so nothing is sampled on the hot path; counters and histograms are
+updated when a request ends (tokens, time to first token, time per output token) and when a
+response starts (responses by status, so errors by status are `status=~"4..|5.."`).
+
+The names follow vLLM's where the quantity is the same (`..._prompt_tokens_total`,
+`..._time_to_first_token_seconds`), under the `shipyard_` prefix, so a dashboard built for one
+needs only the prefix changed.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds: a CPU serving a tiny model answers in milliseconds, a large model on a busy server in tens
+# of seconds; the buckets cover both.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The Content-Type of `ServeMetrics.render` (Prometheus text format 0.0.4)."""
+
+
+class ServeMetrics:
+    """The counters of one server over one engine."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        Gauge("shipyard_queue_depth", "Requests waiting for a free slot", registry=r).set_function(
+            engine.pending
+        )
+        Gauge("shipyard_active_slots", "Requests holding a decode slot", registry=r).set_function(
+            engine.active
+        )
+        Gauge("shipyard_free_slots", "Decode slots free", registry=r).set_function(
+            lambda: engine.max_batch - engine.active()
+        )
+        Gauge("shipyard_max_slots", "Decode slots in all (--max-batch)", registry=r).set(engine.max_batch)
+        Gauge(
+            "shipyard_kv_cache_tokens", "KV cache positions the running requests hold", registry=r
+        ).set_function(engine.kv_tokens)
+        Gauge(
+            "shipyard_kv_cache_usage_ratio", "Fraction of the KV cache the running requests hold", registry=r
+        ).set_function(lambda: engine.kv_tokens() / (engine.max_batch * engine.max_len))
+        self.prompt_tokens = Counter(
+            "shipyard_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "shipyard_generation_tokens", "Tokens generated for finished requests", registry=r
+        )
+        self.requests = Counter(
+            "shipyard_requests", "Generation requests (one per prompt and sample) by how they ended",
+            ["finish"], registry=r,
+        )  # fmt: skip
+        self.responses = Counter(
+            "shipyard_http_responses", "HTTP responses by route and status", ["path", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "shipyard_time_to_first_token_seconds", "From a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "shipyard_time_per_output_token_seconds", "Mean time between a request's tokens after the first",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "shipyard_request_latency_seconds", "From a request's arrival to its last token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def request_done(
+        self, prompt_tokens: int, tokens: int, finish: str, arrived: float, first: float | None, last: float
+    ) -> None:
+        """One generation request ended (`arrived`, `first` and `last` token: perf_counter seconds)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(tokens)
+        self.requests.labels(finish=finish).inc()
+        self.latency.observe(last - arrived)
+        if first is not None:
+            self.ttft.observe(first - arrived)
+            if tokens > 1:
+                self.tpot.observe((last - first) / (tokens - 1))
+
+    def response(self, path: str, status: int) -> None:
+        self.responses.labels(path=path, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
