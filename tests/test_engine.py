@@ -125,3 +125,58 @@ def test_fixed_shape_compiles_one_decode_program_and_changes_no_output():
         engine.stop()
     assert together == alone
     assert engine._decode._cache_size() == 1
+
+
+def test_n_samples_of_a_prompt_share_one_prefill_and_equal_each_alone():
+    """A group of 4 samples of one prompt (submit_group, what the server does for n=4) is prefilled as
+    one row, beside a request already decoding; each sample (its own seed) equals that request sent
+    alone, and greedy samples are all the greedy reply."""
+    import threading
+
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=3, seed=2, scale=0.2)
+    prompt, other = _prompts(cfg.vocab_size)[1:3]
+    hot = [Sampling(max_tokens=9, temperature=0.9, top_k=20, seed=7 + j) for j in range(4)]
+    alone = Engine(params, cfg, max_batch=1, max_len=96, tokens_per_call=3)
+    want = [complete(alone, [prompt], 9, temperature=0.9, top_k=20, seed=7 + j)[0] for j in range(4)]
+    greedy = complete(alone, [prompt], 9)[0]
+    assert len({tuple(w) for w in want}) > 1  # the samples differ, so sharing cannot hide a mix-up
+
+    engine = Engine(params, cfg, max_batch=6, max_len=96, tokens_per_call=3)
+    engine.compile()
+    rows_prefilled = []
+    admit = engine._admit
+
+    def counting(params, rows, caches, tokens, *rest, **kw):
+        rows_prefilled.append(tokens.shape[0])
+        return admit(params, rows, caches, tokens, *rest, **kw)
+
+    engine._admit = counting
+    engine.start()
+    try:
+        results: dict = {}
+        done = threading.Event()
+
+        def collect(key, total):
+            acc = []
+
+            def on_tokens(tokens, _lp, finish):
+                acc.extend(tokens)
+                if finish:
+                    results[key] = acc
+                    if len(results) == total:
+                        done.set()
+
+            return on_tokens
+
+        engine.submit(Request(other, Sampling(max_tokens=30), collect("other", 9)))
+        engine.submit_group([Request(prompt, s, collect(j, 9)) for j, s in enumerate(hot)])
+        engine.submit_group([Request(prompt, Sampling(max_tokens=9), collect(f"g{j}", 9)) for j in range(4)])
+        assert done.wait(120), results.keys()
+    finally:
+        engine.stop()
+    assert [results[j] for j in range(4)] == want
+    assert all(results[f"g{j}"] == greedy for j in range(4))
+    assert rows_prefilled == [1, 1, 1]  # the lone request, then each group of 4: one prompt row each
+    with pytest.raises(ValueError, match="does not fit 6 slots"):
+        engine.submit_group([Request(prompt, Sampling(max_tokens=2), lambda *a: None)] * 7)

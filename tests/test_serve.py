@@ -176,7 +176,9 @@ HOSTILE = [
     ("max_tokens as a string", {"body": {"model": "tiny-chat", "prompt": "x", "max_tokens": "5"}}, 400, "max_tokens"),
     ("prompt a number", {"body": {"model": "tiny-chat", "prompt": 5}}, 400, "prompt"),
     ("negative temperature", {"body": {"model": "tiny-chat", "prompt": "x", "temperature": -1}}, 400, "temperature"),
-    ("n=2", {"body": {"model": "tiny-chat", "prompt": "x", "n": 2}}, 400, "n"),
+    ("n past --max-batch", {"body": {"model": "tiny-chat", "prompt": "x", "n": 9}}, 400, "n=9 choices do not fit this server's 8 decode slots"),
+    ("n=0", {"body": {"model": "tiny-chat", "prompt": "x", "n": 0}}, 400, "n: Input should be greater than or equal to 1"),
+    ("chat n past --max-batch", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "n": 12}}, 400, "n=12 choices do not fit"),
     ("token id past the vocabulary", {"body": {"model": "tiny-chat", "prompt": [1, 10**6]}}, 400, "vocabulary"),
     ("logit_bias", {"body": {"model": "tiny-chat", "prompt": "x", "logit_bias": {"1": 5}}}, 400, "logit_bias"),
     ("chat without messages", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": []}}, 400, "messages"),
@@ -204,6 +206,45 @@ def test_the_openai_client_raises_on_refusals(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in client.models.list()] == ["tiny-chat"]
+
+
+def test_n_choices_are_the_seeds_after_the_requests_each_alone(server, client):
+    """n choices of a prompt (one prefill, tests/test_engine.py) are numbered prompt-major; choice j
+    of seed s is what seed s + j gets alone; greedy choices are all the greedy reply; streamed
+    chat choices reassemble to the non-streamed ones; usage counts each prompt once."""
+    kw = {"model": "tiny-chat", "max_tokens": 12, "temperature": 0.9, "extra_body": {"top_k": 30}}
+    alone = {
+        (p, s): client.completions.create(prompt=p, seed=s, **kw).choices[0].text
+        for p in ("Simon", "Zugat")
+        for s in (5, 6, 7)
+    }
+    assert len({alone["Simon", s] for s in (5, 6, 7)}) > 1  # the seeds differ, so a mix-up shows
+    r = client.completions.create(prompt=["Simon", "Zugat"], n=3, seed=5, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [alone[p, s] for p in ("Simon", "Zugat") for s in (5, 6, 7)]
+    single = client.completions.create(prompt=["Simon", "Zugat"], seed=5, **kw)
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(
+        len(client.completions.create(prompt=p, seed=s, logprobs=0, **kw).choices[0].logprobs.tokens)
+        for p in ("Simon", "Zugat")
+        for s in (5, 6, 7)
+    )
+    greedy = client.completions.create(model="tiny-chat", prompt="Ra", max_tokens=8, temperature=0)
+    g = client.completions.create(model="tiny-chat", prompt="Ra", max_tokens=8, temperature=0, n=4)
+    assert [c.text for c in g.choices] == [greedy.choices[0].text] * 4
+
+    messages = [{"role": "user", "content": "Kabel lodor"}]
+    chat = client.chat.completions.create(
+        model="tiny-chat", messages=messages, n=3, seed=2, max_tokens=10, temperature=1
+    )
+    texts = {}
+    for chunk in client.chat.completions.create(
+        model="tiny-chat", messages=messages, n=3, seed=2, max_tokens=10, temperature=1, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in chat.choices]
+    assert len({c.message.content for c in chat.choices}) > 1
 
 
 def _scrape(server) -> dict[tuple, float]:

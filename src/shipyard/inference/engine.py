@@ -237,7 +237,9 @@ def _admit(
     caches,
     tokens,
     start,
+    src,
     slots,
+    count,
     settings,
     *,
     cfg,
@@ -247,27 +249,33 @@ def _admit(
     batch_axis,
     plain=False,
 ):
-    """Prefill n prompts (tokens [n, P], row i left-padded by start[i]) and write row i into cache row
-    slots[i] (a slot of max_batch or more is dropped: the padding rows of a group).
+    """Prefill m distinct prompts (tokens [m, P], row i left-padded by start[i]) once each, and start
+    k requests on them: request j continues prompt src[j] in cache row slots[j] (the first `count`
+    requests are real; the rest pad the shape, and their slots, max_batch or more, are dropped).
+    So n samples of one prompt cost one prefill, and each samples its own first token.
 
-    Returns (first tokens [n], their logprobs, rows, caches). `settings` is (temperature, top_k,
-    top_p, key), each [n], of the requests. `plain` (static): every request is greedy and none wants
+    Returns (first tokens [k], their logprobs, rows, caches). `settings` is (temperature, top_k,
+    top_p, key), each [k], of the requests. `plain` (static): every request is greedy and none wants
     log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
     """
     temperature, top_k, top_p, key = settings
     cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
     logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
-    logits = logits[:, -1]
+    logits = logits[:, -1][src]
     token, key = pick_tokens(logits, key, temperature, top_k, top_p, may_sample=not plain)
     logprobs = _no_logprobs(logits, token) if plain else token_logprobs(logits, token)
-    at = (slice(None),) * batch_axis + (slots,)
-    caches = jax.tree.map(
-        lambda all_rows, new: all_rows.at[at].set(new.astype(all_rows.dtype), mode="drop"),
-        caches,
-        to_decode(cache),
-    )
-    P = jnp.full(tokens.shape[0], tokens.shape[1], jnp.int32)
-    new = (token, P, start, key, temperature, top_k, top_p)
+    prefilled = to_decode(cache)
+
+    def write(j, caches):  # one cache row per real request: no copy of a prompt's row per sample
+        def put(all_rows, new):
+            row = jax.lax.dynamic_slice_in_dim(new, src[j], 1, axis=batch_axis).astype(all_rows.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(all_rows, row, slots[j], axis=batch_axis)
+
+        return jax.tree.map(put, caches, prefilled)
+
+    caches = jax.lax.fori_loop(0, count, write, caches)
+    P = jnp.full(src.shape[0], tokens.shape[1], jnp.int32)
+    new = (token, P, start[src], key, temperature, top_k, top_p)
     rows = Rows(*(field.at[slots].set(value, mode="drop") for field, value in zip(rows, new)))
     return token, logprobs, rows, caches
 
@@ -353,7 +361,8 @@ class Engine:
         self.tokens_per_call = tokens_per_call
         self._pos = [0] * max_batch  # each slot's cache position as the host knows it (busy slots: exact)
         self._slots: list[Request | None] = [None] * max_batch
-        self._pending: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[Request | list[Request] | None] = queue.SimpleQueue()
+        self._held: list[Request] | None = None  # a group taken from the queue, waiting for enough slots
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._in_flight = None  # (device outputs, the request in each slot when queued, steps it runs)
@@ -364,6 +373,19 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request; its prompt plus max_tokens must fit `max_len` (checked here)."""
+        self._check(request)
+        self._pending.put(request)
+
+    def submit_group(self, requests: Sequence[Request]) -> None:
+        """Queue requests that start together (n samples of one prompt: its prefill is computed once
+        and each sample continues from it in its own slot); at most `max_batch` of them."""
+        if not 1 <= len(requests) <= self.max_batch:
+            raise ValueError(f"a group of {len(requests)} requests does not fit {self.max_batch} slots")
+        for r in requests:
+            self._check(r)
+        self._pending.put(list(requests))
+
+    def _check(self, request: Request) -> None:
         if not request.prompt:
             raise ValueError("a prompt needs at least one token")
         if len(request.prompt) + request.sampling.max_tokens > self.max_len:
@@ -373,15 +395,14 @@ class Engine:
             )
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
-        self._pending.put(request)
 
     def active(self) -> int:
         """Requests holding a slot now."""
         return sum(r is not None for r in self._slots)
 
     def pending(self) -> int:
-        """Requests queued for a free slot (approximately: read from another thread)."""
-        return self._pending.qsize()
+        """Queued requests and groups waiting for free slots (approximately: read from another thread)."""
+        return self._pending.qsize() + (self._held is not None)
 
     def kv_tokens(self) -> int:
         """KV cache positions the requests holding a slot fill (read from another thread: a snapshot)."""
@@ -424,16 +445,18 @@ class Engine:
             jax.block_until_ready(out)
             if on_shape is not None:
                 on_shape()
+        k = self.max_batch  # a started engine starts every request or group with this many targets
         for P in self._prefill_buckets():
             tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
             settings = (
-                jnp.zeros(1),
-                jnp.zeros(1, jnp.int32),
-                jnp.ones(1),
-                jax.random.split(jax.random.key(0), 1),
+                jnp.zeros(k),
+                jnp.zeros(k, jnp.int32),
+                jnp.ones(k),
+                jax.random.split(jax.random.key(0), k),
             )
+            src, slots = jnp.zeros(k, jnp.int32), jnp.full(k, self.max_batch, jnp.int32)
             token, _, self._rows, self._caches = self._admit(
-                self.params, self._rows, self._caches, tokens, start, jnp.zeros(1, jnp.int32), settings
+                self.params, self._rows, self._caches, tokens, start, src, slots, np.int32(0), settings
             )
             jax.block_until_ready(token)
             if on_shape is not None:
@@ -643,20 +666,32 @@ class Engine:
         taken: dict[int, list[Request]] = {}
         free = self._slots.count(None)
         while free:
-            try:
-                request = self._pending.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                break
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                try:
+                    item = self._pending.get(block=block, timeout=0.5 if block else None)
+                except queue.Empty:
+                    break
             block = False
-            if request is None or request.cancelled:
-                if request is not None:
-                    self._finish(request, [], [], "cancelled")
+            if item is None:
                 continue
-            free -= 1
+            live = []
+            for r in item if isinstance(item, list) else [item]:
+                if r.cancelled:
+                    self._finish(r, [], [], "cancelled")
+                else:
+                    live.append(r)
+            if not live:
+                continue
+            if len(live) > free:  # a group waits, first in line, until enough slots are free
+                self._held = live
+                break
+            free -= len(live)
             if not group:
-                self._start([request])
+                self._start(live)
                 continue
-            taken.setdefault(self._bucket(request), []).append(request)
+            taken.setdefault(self._bucket(live[0]), []).extend(live)
         for requests in taken.values():
             self._start(requests)
 
@@ -666,20 +701,27 @@ class Engine:
         return max(prompt_bucket(n, self.max_len - request.sampling.max_tokens), n)
 
     def _start(self, requests: list[Request]) -> None:
-        """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens."""
+        """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens;
+        requests with the same prompt (n samples of it) share one prefill row."""
         P = self._bucket(requests[0])
-        n = 1 << (len(requests) - 1).bit_length()
-        tokens = np.zeros((n, P), np.int32)
-        start = np.full(n, P - 1, np.int32)
+        prompts = list(dict.fromkeys(tuple(r.prompt) for r in requests))
+        m = 1 << (len(prompts) - 1).bit_length()
+        # a started engine uses the one target count `compile` prepared; generate's batches their own
+        n = self.max_batch if self._thread is not None else 1 << (len(requests) - 1).bit_length()
+        tokens = np.zeros((m, P), np.int32)
+        start = np.full(m, P - 1, np.int32)
+        for i, p in enumerate(prompts):
+            start[i] = P - len(p)
+            tokens[i, start[i] :] = p
+        src = np.zeros(n, np.int32)
         slots = np.full(n, self.max_batch, np.int32)  # out of range: dropped
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seeds = np.zeros(n, np.int32)
         free = [b for b, r in enumerate(self._slots) if r is None]
+        row = {p: i for i, p in enumerate(prompts)}
         for i, (r, slot) in enumerate(zip(requests, free)):
             s = r.sampling
-            start[i] = P - len(r.prompt)
-            tokens[i, start[i] :] = r.prompt
-            slots[i] = slot
+            src[i], slots[i] = row[tuple(r.prompt)], slot
             temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
         settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys)
@@ -692,7 +734,9 @@ class Engine:
             self._caches,
             jnp.asarray(tokens),
             jnp.asarray(start),
+            jnp.asarray(src),
             jnp.asarray(slots),
+            np.int32(len(requests)),
             settings,
             plain=plain,
         )
@@ -750,12 +794,15 @@ class Engine:
             log.exception("request callback failed")
 
     def _drain_pending(self) -> None:
+        held, self._held = self._held or [], None
         while True:
             try:
-                request = self._pending.get_nowait()
+                item = self._pending.get_nowait()
             except queue.Empty:
-                return
-            if request is not None and not request.finished:
+                break
+            held.extend(item if isinstance(item, list) else [item] if item is not None else [])
+        for request in held:
+            if not request.finished:
                 self._finish(request, [], [], "cancelled" if self.error is None else "error")
 
 

@@ -40,6 +40,10 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_N = 128
+"""The most choices per prompt a request may ask for (a server also holds it to --max-batch)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -63,8 +67,10 @@ class _Sampling(BaseModel):
     """Up to 16 strings; the text ends before the first one that appears."""
     seed: StrictInt | None = None
     """Seeds this request's sampling alone (default 0): same seed, same reply."""
-    n: Literal[1] = 1
-    """Only one choice per prompt."""
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    """Choices per prompt (at most the server's --max-batch): the prompt is prefilled once and each
+    choice samples on from it with seed + its index, so choice j of seed s is the reply seed s + j
+    gets alone (greedy choices are all the same reply)."""
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] | None = None

@@ -84,9 +84,12 @@ class Service:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def _sampling(service: Service, body, max_tokens: int, stop_ids, logprobs: bool = False) -> Sampling:
+def _sampling(
+    service: Service, body, max_tokens: int, stop_ids, logprobs: bool = False, choice: int = 0
+) -> Sampling:
     """The request's settings, else the model's generation_config.json, else OpenAI's defaults
-    (`sampling.resolve_sampling`, the rule `generate` and `chat` follow too)."""
+    (`sampling.resolve_sampling`, the rule `generate` and `chat` follow too); choice j of n samples
+    with seed + j."""
     return resolve_sampling(
         API,
         service.defaults,
@@ -94,16 +97,20 @@ def _sampling(service: Service, body, max_tokens: int, stop_ids, logprobs: bool 
         temperature=body.temperature,
         top_k=body.top_k,
         top_p=body.top_p,
-        seed=body.seed if body.seed is not None else 0,
+        seed=(body.seed if body.seed is not None else 0) + choice,
         stop_ids=stop_ids,
         logprobs=logprobs,
     )
 
 
 class _Job:
-    """One prompt in flight: engine callbacks in, (text piece, tokens, logprobs, finish) events out."""
+    """One choice in flight: engine callbacks in, (text piece, tokens, logprobs, finish) events out.
+    The n choices of one prompt are one group: the first of them to be read submits them all
+    together (`Engine.submit_group`: one prefill)."""
 
     def __init__(self, service: Service, prompt: list[int], sampling: Sampling, stops, hidden):
+        self.group: list[_Job] = [self]
+        self.submitted = False
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = IncrementalText(service.decode, stops, hidden)
@@ -123,7 +130,13 @@ class _Job:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish))
 
     async def events(self) -> AsyncIterator[tuple[str, list[int], list, str | None]]:
-        self.service.engine.submit(self.request)
+        if not self.submitted:
+            for job in self.group:
+                job.submitted = True
+            if len(self.group) == 1:
+                self.service.engine.submit(self.request)
+            else:
+                self.service.engine.submit_group([job.request for job in self.group])
         try:
             while True:
                 tokens, logprobs, finish = await self.queue.get()
@@ -145,6 +158,23 @@ class _Job:
             if not self.request.finished and not self.text.stopped:
                 log.info("client went away after %d tokens: request cancelled", len(self.tokens))
             self.request.cancel()  # frees the slot at the next step (a no-op once finished)
+
+
+def _grouped(jobs: list[_Job], n: int) -> list[_Job]:
+    """Make each run of n consecutive jobs (the choices of one prompt) one group."""
+    for i in range(0, len(jobs), n):
+        for job in jobs[i : i + n]:
+            job.group = jobs[i : i + n]
+    return jobs
+
+
+def _n_check(service: Service, n: int) -> None:
+    if n > service.engine.max_batch:
+        raise ApiError(
+            f"n={n} choices do not fit this server's {service.engine.max_batch} decode slots "
+            "(shipyard serve --max-batch); ask for fewer",
+            param="n",
+        )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -339,19 +369,27 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
     prompts = [_prompt_ids(service, p) for p in body.prompts()]
     for p in prompts:
         _context_check(service, len(p), body.max_tokens)
+    _n_check(service, body.n)
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     t0 = time.perf_counter()
-    jobs = [
-        _Job(
-            service,
-            p,
-            _sampling(service, body, body.max_tokens, service.eos_ids, body.logprobs is not None),
-            body.stops(),
-            service.eos_ids,
-        )
-        for p in prompts
+    want_lp = body.logprobs is not None
+    jobs = _grouped(
+        [
+            _Job(
+                service,
+                p,
+                _sampling(service, body, body.max_tokens, service.eos_ids, want_lp, j),
+                body.stops(),
+                service.eos_ids,
+            )
+            for p in prompts
+            for j in range(body.n)
+        ],
+        body.n,
+    )  # choice i * n + j: prompt i's choice j, as OpenAI numbers them
+    echoes = [
+        e for e in await asyncio.gather(*(_echo(service, body, p) for p in prompts)) for _ in range(body.n)
     ]
-    echoes = await asyncio.gather(*(_echo(service, body, p) for p in prompts))
     head = {"id": rid, "object": "text_completion", "created": created, "model": service.name}
 
     def logged(completion_tokens: int, finish) -> None:
@@ -371,20 +409,28 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
 
 
 async def _echo(service: Service, body: CompletionRequest, prompt: list[int]):
-    """(prompt text, its logprobs object or None) for an `echo` request, else None."""
+    """(prompt text, a function making its logprobs object, or None) for an `echo` request, else
+    None. A fresh object per choice: each choice's logprobs go on from the prompt's."""
     if not body.echo:
         return None
-    lp = None
+    fresh = None
     if body.logprobs is not None:
         scores = await asyncio.to_thread(prompt_logprobs, service.engine.params, service.engine.cfg, prompt)
-        lp = _Logprobs(service, body.logprobs)
-        lp.add(prompt, [None, *scores])
-    return service.decode(prompt), lp
+
+        def fresh():
+            lp = _Logprobs(service, body.logprobs)
+            lp.add(prompt, [None, *scores])
+            return lp
+
+    return service.decode(prompt), fresh
 
 
 async def _complete_one(body: CompletionRequest, index: int, job: _Job, echo) -> dict:
     text, finish = [], None
-    lp = echo[1] if echo else (_Logprobs(job.service, body.logprobs) if body.logprobs is not None else None)
+    if echo and echo[1] is not None:
+        lp = echo[1]()
+    else:
+        lp = _Logprobs(job.service, body.logprobs) if body.logprobs is not None else None
     async for piece, tokens, logprobs, finish in job.events():  # noqa: B007 (the last finish is the reply's)
         text.append(piece)
         if lp is not None:
@@ -405,7 +451,8 @@ async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator
         lp = _Logprobs(job.service, body.logprobs) if body.logprobs is not None else None
         try:
             if echoes[index]:
-                text, echo_lp = echoes[index]
+                text, fresh = echoes[index]
+                echo_lp = fresh() if fresh is not None else None
                 await queue.put((index, text, echo_lp.obj if echo_lp else None, None))
                 if echo_lp is not None:
                     lp.offset = echo_lp.offset
@@ -429,7 +476,8 @@ async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator
             yield _sse({**head, "choices": [choice]})
         for t in tasks:
             t.result()  # an error inside a job surfaces here
-        n_in, n_out = sum(len(j.request.prompt) for j in jobs), sum(len(j.tokens) for j in jobs)
+        n_in = sum(len(j.request.prompt) for j in jobs if j.group[0] is j)  # each prompt once, as OpenAI
+        n_out = sum(len(j.tokens) for j in jobs)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(n_in, n_out)})
         yield "data: [DONE]\n\n"
@@ -453,57 +501,98 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     max_tokens = body.max_completion_tokens or body.max_tokens or max(limit - len(prompt), 1)
     _context_check(service, len(prompt), max_tokens)
     stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
-    sampling = _sampling(service, body, max_tokens, stop_ids, bool(body.logprobs))
-    job = _Job(service, prompt, sampling, body.stops(), stop_ids)
+    _n_check(service, body.n)
+    jobs = _grouped(
+        [
+            _Job(
+                service,
+                prompt,
+                _sampling(service, body, max_tokens, stop_ids, bool(body.logprobs), j),
+                body.stops(),
+                stop_ids,
+            )
+            for j in range(body.n)
+        ],
+        body.n,
+    )
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
     top = body.top_logprobs or 0
 
-    def logged(finish) -> None:
+    def logged(finishes) -> None:
         log.info(
-            "%s chat tokens_in=%d tokens_out=%d latency=%.3fs finish=%s",
-            rid, len(prompt), len(job.tokens), time.perf_counter() - t0, finish,
+            "%s chat choices=%d tokens_in=%d tokens_out=%d latency=%.3fs finish=%s",
+            rid, len(jobs), len(prompt), sum(len(j.tokens) for j in jobs), time.perf_counter() - t0, ",".join(finishes),
         )  # fmt: skip
 
     if body.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name}
-        return streaming(_stream_chat(service, body, job, head, top, logged), media_type="text/event-stream")
-    text, logprobs, finish = [], [], None
-    async for piece, tokens, lps, finish in job.events():  # noqa: B007 (the last finish is the reply's)
-        text.append(piece)
-        if body.logprobs:
-            logprobs += _chat_logprobs(service, tokens, lps, top)
-    logged(finish)
-    message = {"role": "assistant", "content": "".join(text)}
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": {"content": logprobs} if body.logprobs else None,
-        "finish_reason": finish,
-    }
+        return streaming(_stream_chat(service, body, jobs, head, top, logged), media_type="text/event-stream")
+
+    async def one(index: int, job: _Job) -> dict:
+        text, logprobs, finish = [], [], None
+        async for piece, tokens, lps, finish in job.events():  # noqa: B007 (the last finish is the reply's)
+            text.append(piece)
+            if body.logprobs:
+                logprobs += _chat_logprobs(service, tokens, lps, top)
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(text)},
+            "logprobs": {"content": logprobs} if body.logprobs else None,
+            "finish_reason": finish,
+        }
+
+    choices = await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    logged([c["finish_reason"] for c in choices])
     head = {"id": rid, "object": "chat.completion", "created": created, "model": service.name}
-    return {**head, "choices": [choice], "usage": _usage(len(prompt), len(job.tokens))}
+    return {**head, "choices": choices, "usage": _usage(len(prompt), sum(len(j.tokens) for j in jobs))}
 
 
-async def _stream_chat(service, body: ChatRequest, job: _Job, head, top, logged) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, logged) -> AsyncIterator[str]:
+    """The choices' chunks as they come (each names its `index`), merged into one event stream."""
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _sse({**head, "choices": [choice]})
 
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: _Job):
+        try:
+            async for piece, tokens, lps, finish in job.events():
+                lp = {"content": _chat_logprobs(service, tokens, lps, top)} if body.logprobs else None
+                await queue.put((index, piece, lp, finish))
+        finally:  # also when the job failed: the stream below must not wait for it forever
+            await queue.put((index, None, None, "done"))
+
+    tasks = []
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece, tokens, lps, finish in job.events():
-            lp = {"content": _chat_logprobs(service, tokens, lps, top)} if body.logprobs else None
+        for i in range(len(jobs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        running, finishes = len(jobs), []
+        while running:
+            index, piece, lp, finish = await queue.get()
+            if finish == "done":
+                running -= 1
+                continue
             if piece or lp:
-                yield chunk({"content": piece}, None, lp)
+                yield chunk(index, {"content": piece}, None, lp)
             if finish is not None:
-                yield chunk({}, finish)
-                logged(finish)
+                finishes.append(finish)
+                yield chunk(index, {}, finish)
+        for t in tasks:
+            t.result()  # an error inside a job surfaces here
+        logged(finishes)
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(len(job.request.prompt), len(job.tokens))})
+            usage = _usage(len(jobs[0].request.prompt), sum(len(j.tokens) for j in jobs))
+            yield _sse({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield _sse(e.body())
         yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 ROUTES = frozenset(
