@@ -305,8 +305,14 @@ def slow_server(run_dir, tmp_path_factory):
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(slow_server, client):
+    """A reply that cannot end early (ignore_eos: exactly max_tokens) is cancelled when its client
+    goes: the engine itself ends it ("cancelled" in /metrics, counted by the engine's callback) with
+    far fewer tokens than it was due."""
     server = slow_server
-    body = json.dumps({"model": "slow", "prompt": "Kabel", "max_tokens": 900, "stream": True})
+    before = _scrape(server)
+    body = json.dumps(
+        {"model": "slow", "prompt": "Kabel", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    )
     sock = socket.create_connection(("127.0.0.1", server.port))
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -324,11 +330,69 @@ def test_a_client_leaving_mid_stream_frees_its_slot(slow_server, client):
     deadline = time.monotonic() + 20
     while server.health()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.health()["active"] == 0  # freed long before its 900 tokens
+    assert server.health()["active"] == 0
+    after = _scrape(server)
     assert "client went away" in server.log_text()
-    assert _scrape(server)[("shipyard_requests_total", ("finish", "cancelled"))] == 1
+    assert after[("shipyard_requests_total", ("finish", "cancelled"))] == 1 + before.get(
+        ("shipyard_requests_total", ("finish", "cancelled")), 0
+    )
+    generated = after[("shipyard_generation_tokens_total",)] - before[("shipyard_generation_tokens_total",)]
+    assert 0 < generated < 300, generated  # cancelled, not run out to its 900
     r = _post(server, "/v1/completions", {"model": "slow", "prompt": "Simon", "max_tokens": 3})
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def _stream_times(server, prompt: str, max_tokens: int) -> tuple[str, list[float]]:
+    """A streamed greedy completion that runs to max_tokens: (its text, the arrival time of each chunk)."""
+    body = {"model": "slow", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    text, times = [], []
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=server.headers(),
+        timeout=120,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: ") :])
+                text.append(event["choices"][0]["text"])
+                times.append(time.monotonic())
+    return "".join(text), times
+
+
+def test_requests_join_a_batch_that_is_already_decoding(slow_server):
+    """Continuous, not static, batching, at --max-batch 2: while one long reply runs, three short
+    requests arrive; only one slot is free, so they take turns in it, and each gets its tokens before
+    the long reply ends (a static batcher would admit them only when both slots were free). Every
+    reply equals the same request sent alone."""
+    alone = {p: _stream_times(slow_server, p, 12)[0] for p in ("Simon", "Zugat", "Ra")}
+    long_alone, times = _stream_times(slow_server, "Kabel", 240)
+    short = _stream_times(slow_server, "Simon", 12)[1]
+    assert times[-1] - times[0] > 4 * (
+        short[-1] - short[0]
+    )  # the long reply outlasts three short ones in a row
+    results: dict = {}
+
+    def run(key, prompt, n):
+        results[key] = _stream_times(slow_server, prompt, n)
+
+    long = threading.Thread(target=run, args=("long", "Kabel", 240))
+    long.start()
+    deadline = time.monotonic() + 60
+    while slow_server.health()["active"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the long reply holds its slot
+    shorts = [threading.Thread(target=run, args=(p, p, 12)) for p in ("Simon", "Zugat", "Ra")]
+    for t in shorts:
+        t.start()
+    for t in [*shorts, long]:
+        t.join(120)
+    long_text, long_times = results["long"]
+    assert long_text == long_alone
+    for p in ("Simon", "Zugat", "Ra"):
+        text, got = results[p]
+        assert text == alone[p]
+        assert got[0] < long_times[-1] and got[-1] < long_times[-1], p  # served while the long one ran
 
 
 def test_echo_logprobs_score_the_prompt_like_the_model(server, run_dir):

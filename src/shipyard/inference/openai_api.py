@@ -71,6 +71,9 @@ class _Sampling(BaseModel):
     """Choices per prompt (at most the server's --max-batch): the prompt is prefilled once and each
     choice samples on from it with seed + its index, so choice j of seed s is the reply seed s + j
     gets alone (greedy choices are all the same reply)."""
+    ignore_eos: StrictBool = False
+    """An extension (vLLM's): keep generating past end-of-sequence ids, to max_tokens (benchmarks,
+    and tests that need a reply of a known length)."""
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] | None = None

@@ -98,7 +98,7 @@ def _sampling(
         top_k=body.top_k,
         top_p=body.top_p,
         seed=(body.seed if body.seed is not None else 0) + choice,
-        stop_ids=stop_ids,
+        stop_ids=() if body.ignore_eos else stop_ids,
         logprobs=logprobs,
     )
 
