@@ -178,7 +178,9 @@ def straight(tmp_path_factory, byte_tokens):
 
 TWICE = "SIGINT twice"
 """Ctrl-C, then Ctrl-C again once the run has said it is saving (while it finishes the step and saves)."""
-SIGNALS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, TWICE]
+# SIGTERM takes the path SIGINT does (train/stopping.py); a SIGTERM is tested on a two-process
+# cluster in test_launch_signals.py, so it is not run again here
+SIGNALS = [signal.SIGKILL, signal.SIGINT, TWICE]
 
 
 def _interrupt(proc, sig) -> str:
@@ -282,7 +284,7 @@ def test_a_second_ctrl_c_during_the_first_ones_message_still_stops_at_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGKILL", "SIGTERM", "SIGINT", "SIGINT-twice"])
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGKILL", "SIGINT", "SIGINT-twice"])
 def test_interrupted_then_resumed_run_is_bitwise_equal(tmp_path, byte_tokens, straight, sig):
     run = tmp_path / "run"
     proc = _cli(run, byte_tokens)
