@@ -142,8 +142,8 @@ def test_n_samples_of_a_prompt_share_one_prefill_and_equal_each_alone():
     greedy = complete(alone, [prompt], 9)[0]
     assert len({tuple(w) for w in want}) > 1  # the samples differ, so sharing cannot hide a mix-up
 
-    engine = Engine(params, cfg, max_batch=6, max_len=96, tokens_per_call=3)
-    engine.compile()
+    # 5 slots: the lone request and one group run, the second group waits for the first to end
+    engine = Engine(params, cfg, max_batch=5, max_len=96, tokens_per_call=3)
     rows_prefilled = []
     admit = engine._admit
 
@@ -178,5 +178,5 @@ def test_n_samples_of_a_prompt_share_one_prefill_and_equal_each_alone():
     assert [results[j] for j in range(4)] == want
     assert all(results[f"g{j}"] == greedy for j in range(4))
     assert rows_prefilled == [1, 1, 1]  # the lone request, then each group of 4: one prompt row each
-    with pytest.raises(ValueError, match="does not fit 6 slots"):
-        engine.submit_group([Request(prompt, Sampling(max_tokens=2), lambda *a: None)] * 7)
+    with pytest.raises(ValueError, match="does not fit 5 slots"):
+        engine.submit_group([Request(prompt, Sampling(max_tokens=2), lambda *a: None)] * 6)
