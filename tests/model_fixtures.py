@@ -26,8 +26,9 @@ def noisy_params(cfg, key: int, seed: int, scale: float):
     return jax.tree.map(draw, param_specs(cfg), is_leaf=is_spec)
 
 
-def save_run(run_dir, cfg, params) -> None:
-    """A run directory shipyard can load: config.yaml and checkpoint 1 holding `params`."""
+def save_run(run_dir, cfg, params, step: int = 1) -> None:
+    """A run directory shipyard can load: config.yaml and checkpoint `step` holding `params` (into an
+    existing run: one more checkpoint)."""
     import jax.numpy as jnp
 
     from shipyard.config import to_yaml
@@ -37,8 +38,8 @@ def save_run(run_dir, cfg, params) -> None:
 
     optimizer = build_optimizer(cfg.train, param_specs(cfg.model))
     state = init_state(cfg, jax.tree.map(jnp.asarray, params), optimizer)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
-    ckpt.save(1, state, wait=True)
+    ckpt.save(step, state, wait=True)
     ckpt.close()

@@ -64,6 +64,40 @@ def trained_run(d: Path, steps: int = 120) -> Path:
     return d / "run"
 
 
+def swap_runs(d: Path) -> dict[str, Path]:
+    """Run directories for the hot-swap tests, untrained (noisy random weights, clear-cut greedy
+    choices) with one BPE tokenizer: "served" and "other" (the same model, other weights),
+    "staging" (a third set of weights, to move into "served" as its next checkpoint), "shape" (another
+    hidden size) and "tokenizer" (the same shapes with another tokenizer)."""
+
+    def tokenized(name: str, seeds: range) -> Path:
+        docs = write_jsonl(d / f"{name}.jsonl", [prose(s) for s in seeds])
+        run_tokenizer_train(
+            [str(docs)], d / f"{name}-tok", TokenizerTrainConfig(vocab_size=VOCAB), ReadConfig()
+        )
+        run_tokenize(
+            [str(docs)], d / f"{name}-shards", d / f"{name}-tok", TokenizeConfig(), ReadConfig(), workers=1
+        )
+        return d / f"{name}-shards"
+
+    def config(shards: Path, *more: str):
+        return load_config("tiny", [f"data.train_tokens={shards}", f"model.vocab_size={VOCAB}", *more])
+
+    shards, others = tokenized("docs", range(40)), tokenized("other-docs", range(40, 80))
+    cfg = config(shards, f"model.max_seq_len={CONTEXT}")
+    runs = {}
+    for name, seed, c in [
+        ("served", 0, cfg),
+        ("other", 1, cfg),
+        ("staging", 2, cfg),
+        ("shape", 0, config(shards, f"model.max_seq_len={CONTEXT}", "model.hidden_size=32")),
+        ("tokenizer", 0, config(others, f"model.max_seq_len={CONTEXT}")),
+    ]:
+        runs[name] = d / name
+        save_run(runs[name], c, noisy_params(c.model, key=3, seed=seed, scale=0.2))
+    return runs
+
+
 def slow_run(d: Path, shards: Path) -> Path:
     """A random model of the `small` preset's shape (decode steps of milliseconds, not microseconds) with
     the tokenizer of `shards`: for tests that need a request to still be running when they act on it."""

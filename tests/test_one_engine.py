@@ -45,9 +45,9 @@ class Recorded:
 
     def __init__(self, engine):
         self.engine, self.entry, self.requests = engine, None, []
-        submit = engine.submit
+        submit_groups = engine.submit_groups  # where every request is queued (`submit` too)
 
-        def recording_submit(request):
+        def record(request):
             got = {"entry": self.entry, "prompt": tuple(request.prompt), "tokens": [], "logprobs": []}
             self.requests.append(got)
             client = request.on_tokens
@@ -59,9 +59,14 @@ class Recorded:
 
             request.sampling = dataclasses.replace(request.sampling, logprobs=True)
             request.on_tokens = on_tokens
-            submit(request)
 
-        engine.submit = recording_submit
+        def recording_submit_groups(groups):
+            for group in groups:
+                for request in group:
+                    record(request)
+            return submit_groups(groups)
+
+        engine.submit_groups = recording_submit_groups
 
     def of(self, entry: str) -> list[dict]:
         return [r for r in self.requests if r["entry"] == entry]

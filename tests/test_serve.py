@@ -187,6 +187,7 @@ HOSTILE = [
     ("wrong API key", {"body": {"model": "tiny-chat", "prompt": "x"}, "headers": {"Authorization": "Bearer nope"}}, 401, "API key"),
     ("a body of 5 MB", {"raw": b'{"model": "tiny-chat", "prompt": "' + b"a" * (5 << 20) + b'"}'}, 413, "limit"),
     ("unknown route", {"path": "/v1/nothing", "body": {}}, 404, "Not Found"),
+    ("a swap on a server without --admin-key", {"path": "/admin/swap", "body": {"path": "x"}}, 403, "--admin-key"),
 ]  # fmt: skip
 
 

@@ -18,6 +18,20 @@ def _cmd_serve(args) -> int:
         raise ConfigError(f"serve: --max-body-mb must be positive, got {args.max_body_mb}")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("serve: --api-key is empty; give a key or leave the flag out")
+    if args.admin_key is not None and not args.admin_key.strip():
+        raise ConfigError("serve: --admin-key is empty; give a key or leave the flag out")
+    if args.admin_key is not None and args.admin_key == args.api_key:
+        raise ConfigError("serve: --admin-key must differ from --api-key (every client holds the API key)")
+    if not args.watch_every > 0:
+        raise ConfigError(f"serve: --watch-every must be positive seconds, got {args.watch_every}")
+    watch = args.run_dir if args.watch is True else args.watch
+    if watch is not None:  # before minutes of loading and compiling
+        from shipyard.run.model_dir import open_model_dir
+
+        if open_model_dir(watch, "serve --watch").kind != "run":
+            raise ConfigError(
+                f"serve --watch: {watch} is not a run directory (it has no checkpoints to watch)"
+            )
     # the request log (one line per request); libraries below stay at warnings
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("shipyard.serve").setLevel(logging.INFO)
@@ -35,9 +49,12 @@ def _cmd_serve(args) -> int:
         fixed_shape=args.fixed_shape,
     )
     key = "required (Bearer)" if args.api_key else "none (anyone who can reach the port may use it)"
+    swaps = "POST /admin/swap with --admin-key" if args.admin_key else "off (no --admin-key)"
+    watching = f", watching {watch} every {args.watch_every:g} s" if watch else ""
     print(
         f"serving {service.name!r} on http://{args.host}:{args.port}/v1 (max batch {service.engine.max_batch}, "
-        f"context {service.engine.max_len} tokens, chat {'yes' if service.chat else 'no'}, API key {key})",
+        f"context {service.engine.max_len} tokens, chat {'yes' if service.chat else 'no'}, API key {key}, "
+        f"weights {service.engine.fingerprint}, swaps {swaps}{watching})",
         file=sys.stderr,
         flush=True,
     )
@@ -47,6 +64,9 @@ def _cmd_serve(args) -> int:
         port=args.port,
         api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        admin_key=args.admin_key,
+        watch=watch,
+        watch_every=args.watch_every,
     )
 
 
@@ -61,6 +81,25 @@ def register(sub) -> None:
     )
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    sv.add_argument(
+        "--admin-key",
+        default=None,
+        help="open /admin/swap and /admin/weights to requests with 'Authorization: Bearer KEY' (default: off)",
+    )
+    sv.add_argument(
+        "--watch",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="RUN",
+        help="swap in RUN's newest verified checkpoint as training writes it (RUN defaults to the served run)",
+    )
+    sv.add_argument(
+        "--watch-every",
+        type=float,
+        default=10.0,
+        help="seconds between looks at the --watch run (default 10)",
+    )
     sv.add_argument(
         "--model-name", default=None, help="the model's name in the API (default: the directory's)"
     )

@@ -66,6 +66,8 @@ class Request:
     generated: int = 0
     finished: bool = False
     cancelled: bool = False
+    weights: str | None = None
+    """The fingerprint of the weights it runs on (`Engine.swap`), set when it is queued."""
 
     def cancel(self) -> None:
         """Stop generating (a client went away, a stop string matched): the slot is freed at the next step."""
@@ -115,6 +117,17 @@ class Completion:
     Sampling asked for logprobs; else None."""
     finish: str
     """Why it ended: "stop" (a stop id or the caller's `stop`) or "length" (max_tokens)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Swap:
+    """New weights waiting in the queue: applied once every request queued before them has ended."""
+
+    params: object
+    decode_weights: object
+    fingerprint: str | None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class Rows(NamedTuple):
@@ -299,6 +312,7 @@ class Engine:
         kv_dtype=None,
         tokens_per_call: int = 8,
         fixed_shape: bool = False,
+        fingerprint: str | None = None,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -321,13 +335,19 @@ class Engine:
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
         if cpu_decode.supported(self.params, cfg):  # (dense models on CPU)
             # the weights the decode step reads: fused and unrolled once (`cpu_decode.prepare_weights`)
-            self.decode_weights = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))(self.params)
+            self._decode_weights_of = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))
             forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
             axes = {"k": (0, 3), "v": (0, 2)}  # per-layer head-major caches: k [b, k, d, s], v [b, k, s, d]
         else:
-            self.decode_weights = self.params
+            self._decode_weights_of = lambda params: params
             forward, to_decode = partial(forward_cached, cfg=cfg), lambda cache: cache
             axes = {"k": (1, 2), "v": (1, 2)}  # KVCache [layers, batch, slots, kv_heads, head_dim]
+        self.decode_weights = self._decode_weights_of(self.params)
+        self.fingerprint = fingerprint
+        """The content hash of the weights serving now (given by the caller: `hot_swap.fingerprint`)."""
+        self._queued = (self.params, fingerprint)  # what a request queued now will run on
+        self._queue_lock = threading.Lock()  # a swap and a caller's several requests queue one at a time
+        self._swap: _Swap | None = None  # taken from the queue: waits for the requests ahead of it
         batch_axis = axes["k"][0]
         self.kv_dtype = kv_dtype
         """The KV cache's dtype (default: the embedding's, fp32 for int8 weights)."""
@@ -373,17 +393,79 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request; its prompt plus max_tokens must fit `max_len` (checked here)."""
-        self._check(request)
-        self._pending.put(request)
+        self.submit_groups([[request]])
 
     def submit_group(self, requests: Sequence[Request]) -> None:
         """Queue requests that start together (n samples of one prompt: its prefill is computed once
         and each sample continues from it in its own slot); at most `max_batch` of them."""
-        if not 1 <= len(requests) <= self.max_batch:
-            raise ValueError(f"a group of {len(requests)} requests does not fit {self.max_batch} slots")
-        for r in requests:
-            self._check(r)
-        self._pending.put(list(requests))
+        self.submit_groups([requests])
+
+    def submit_groups(self, groups: Sequence[Sequence[Request]]):
+        """Queue several groups (`submit_group`; a group of one is a lone request) with nothing queued
+        between them, so all run on one set of weights even while a `swap` is queued from another
+        thread. Returns (params, fingerprint) of those weights (an `echo` scores its prompt on them)."""
+        for requests in groups:
+            if not 1 <= len(requests) <= self.max_batch:
+                raise ValueError(f"a group of {len(requests)} requests does not fit {self.max_batch} slots")
+            for r in requests:
+                self._check(r)
+        with self._queue_lock:
+            params, fingerprint = self._queued
+            for requests in groups:
+                for r in requests:
+                    r.weights = fingerprint
+                self._pending.put(requests[0] if len(requests) == 1 else list(requests))
+        return params, fingerprint
+
+    def swap(
+        self, params, fingerprint: str | None = None, timeout: float | None = None, wait: bool = True
+    ) -> None:
+        """Serve `params` from now on: requests queued before the call finish on the old weights,
+        requests queued after it run on the new ones (and record `fingerprint`). The new weights must
+        have the old ones' tree, shapes and dtypes (the compiled programs are reused as they are); a
+        ValueError names the first difference and nothing changes.
+
+        A started engine applies the swap once the requests ahead of it have ended, admitting none
+        behind it meanwhile (so for a moment a new request waits for the longest running one), and
+        this call waits for that (unless not `wait`: then it returns once the swap is queued, and may
+        be called from a request's callback); both weight sets are in memory until then. An unstarted
+        engine swaps at once.
+        """
+        if (
+            wait and threading.current_thread() is self._thread
+        ):  # the loop that applies it would wait for itself
+            raise RuntimeError(
+                "swap(wait=True) from the engine thread (a request's callback) would never end"
+            )
+        params = jax.tree.map(jnp.asarray, params)
+        _check_same_layout(self.params, params)
+        swap = _Swap(params, self._decode_weights_of(params), fingerprint)
+        if self._thread is None:
+            with self._driving:
+                self._apply(swap)
+            return
+        with self._queue_lock:
+            if self.error is not None or self._stopping.is_set():
+                raise RuntimeError(f"the engine stopped: {self.error}")
+            self._queued = (params, fingerprint)
+            self._pending.put(swap)
+        if not wait:
+            return
+        if not swap.done.wait(timeout):
+            raise TimeoutError(
+                f"the swap waited {timeout} s for the running requests; it applies when they end"
+            )
+        if swap.error is not None:
+            raise RuntimeError(f"the engine stopped before the swap: {swap.error}")
+
+    def _apply(self, swap: _Swap) -> None:
+        self.params, self.decode_weights, self.fingerprint = (
+            swap.params,
+            swap.decode_weights,
+            swap.fingerprint,
+        )
+        self._queued = (swap.params, swap.fingerprint)
+        swap.done.set()
 
     def _check(self, request: Request) -> None:
         if not request.prompt:
@@ -538,8 +620,7 @@ class Engine:
         if not requests:
             return []
         if self._thread is not None:
-            for r in requests:
-                self.submit(r)
+            self.submit_groups([[r] for r in requests])  # one set of weights for all (see `swap`)
             if not done.wait(timeout):
                 for r in requests:
                     r.cancel()
@@ -592,7 +673,11 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._admit_pending(block=self._in_flight is None and not any(self._slots))
+            idle = self._in_flight is None and not any(self._slots)
+            if self._swap is not None and self._held is None and idle:  # everything ahead of it ended
+                swap, self._swap = self._swap, None
+                self._apply(swap)
+            self._admit_pending(block=idle and self._swap is None)
             self._tick()
         for r in self._slots:
             if r is not None and not r.finished:
@@ -668,6 +753,8 @@ class Engine:
         while free:
             if self._held is not None:
                 item, self._held = self._held, None
+            elif self._swap is not None:  # what is queued behind a swap waits for the new weights
+                break
             else:
                 try:
                     item = self._pending.get(block=block, timeout=0.5 if block else None)
@@ -675,6 +762,9 @@ class Engine:
                     break
             block = False
             if item is None:
+                continue
+            if isinstance(item, _Swap):
+                self._swap = item
                 continue
             live = []
             for r in item if isinstance(item, list) else [item]:
@@ -795,15 +885,41 @@ class Engine:
 
     def _drain_pending(self) -> None:
         held, self._held = self._held or [], None
-        while True:
-            try:
-                item = self._pending.get_nowait()
-            except queue.Empty:
-                break
-            held.extend(item if isinstance(item, list) else [item] if item is not None else [])
+        swaps, self._swap = [self._swap] if self._swap is not None else [], None
+        with self._queue_lock:  # no swap is queued after this one: `swap` sees the stop
+            self._stopping.set()
+            while True:
+                try:
+                    item = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Swap):
+                    swaps.append(item)
+                else:
+                    held.extend(item if isinstance(item, list) else [item] if item is not None else [])
         for request in held:
             if not request.finished:
                 self._finish(request, [], [], "cancelled" if self.error is None else "error")
+        for swap in swaps:
+            swap.error = self.error or RuntimeError("the engine stopped")
+            swap.done.set()
+
+
+def _check_same_layout(old, new) -> None:
+    """A ValueError naming the first weight whose place, shape or dtype differs between two trees."""
+    old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(old)
+    new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(new)
+    if old_tree != new_tree:
+        theirs = {jax.tree_util.keystr(p) for p, _ in new_leaves}
+        mine = {jax.tree_util.keystr(p) for p, _ in old_leaves}
+        diff = sorted(theirs ^ mine)
+        raise ValueError(f"the new weights have another structure (e.g. {diff[0] if diff else 'the tree'})")
+    for (path, a), (_, b) in zip(old_leaves, new_leaves):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(
+                f"the new weights differ at {jax.tree_util.keystr(path)}: {b.dtype}{list(b.shape)} where the "
+                f"served model has {a.dtype}{list(a.shape)}"
+            )
 
 
 def engine_for(

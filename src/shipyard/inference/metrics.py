@@ -14,6 +14,7 @@ needs only the prefix changed.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds: a CPU serving a tiny model answers in milliseconds, a large model on a busy server in tens
@@ -28,9 +29,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServeMetrics:
     """The counters of one server over one engine."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, swapper=None):
+        """`swapper`: the server's `hot_swap.Swapper`, whose swaps are counted (None: none happen)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if swapper is not None:
+            r.register(_SwapCounts(swapper))
         Gauge("shipyard_queue_depth", "Requests waiting for a free slot", registry=r).set_function(
             engine.pending
         )
@@ -91,3 +95,20 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SwapCounts:
+    """shipyard_weight_swaps_total{result="ok"|"refused"}, read from the swapper when scraped (a swap
+    runs in a worker thread or the `--watch` poller, never on the request path)."""
+
+    def __init__(self, swapper):
+        self.swapper = swapper
+
+    def describe(self):
+        return [CounterMetricFamily("shipyard_weight_swaps", "Weight swaps by result", labels=["result"])]
+
+    def collect(self):
+        family = CounterMetricFamily("shipyard_weight_swaps", "Weight swaps by result", labels=["result"])
+        for result, n in sorted(self.swapper.counts.items()):
+            family.add_metric([result], n)
+        yield family

@@ -32,7 +32,7 @@ class ApiError(Exception):
     def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
-        self.type = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+        self.type = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         )
 
@@ -171,6 +171,16 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class SwapRequest(BaseModel):
+    """POST /admin/swap: the weights to serve from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: Annotated[StrictStr, Field(min_length=1)]
+    """A model directory on the server's machine (or a URL): a run, a LoRA run, an import, an HF directory."""
+    step: Annotated[StrictInt, Field(ge=0)] | None = None
+    """A run's checkpoint step (default: its newest)."""
 
 
 def validation_message(error) -> tuple[str, str | None]:

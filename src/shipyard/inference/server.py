@@ -40,12 +40,14 @@ from starlette.exceptions import HTTPException
 
 from shipyard.inference.detokenize import IncrementalText
 from shipyard.inference.engine import Engine, Request, prompt_logprobs
+from shipyard.inference.hot_swap import SwapBusy, Swapper, SwapRefused
 from shipyard.inference.metrics import CONTENT_TYPE, ServeMetrics
 from shipyard.inference.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SwapRequest,
     TokenizeRequest,
     validation_message,
 )
@@ -76,6 +78,8 @@ class Service:
     """The model's Jinja chat template text, if it has one (GET /tokenizer_info)."""
     metrics: ServeMetrics | None = None
     """What GET /metrics reports (made by `create_app` when not given)."""
+    swapper: Swapper | None = None
+    """Loads new weights for POST /admin/swap and `--watch` (None: this server cannot swap)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -105,12 +109,11 @@ def _sampling(
 
 class _Job:
     """One choice in flight: engine callbacks in, (text piece, tokens, logprobs, finish) events out.
-    The n choices of one prompt are one group: the first of them to be read submits them all
-    together (`Engine.submit_group`: one prefill)."""
+    The n choices of one prompt are one group (`Engine.submit_group`: one prefill); `_submit` queues
+    every group of an HTTP request at once."""
 
     def __init__(self, service: Service, prompt: list[int], sampling: Sampling, stops, hidden):
         self.group: list[_Job] = [self]
-        self.submitted = False
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = IncrementalText(service.decode, stops, hidden)
@@ -130,13 +133,6 @@ class _Job:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish))
 
     async def events(self) -> AsyncIterator[tuple[str, list[int], list, str | None]]:
-        if not self.submitted:
-            for job in self.group:
-                job.submitted = True
-            if len(self.group) == 1:
-                self.service.engine.submit(self.request)
-            else:
-                self.service.engine.submit_group([job.request for job in self.group])
         try:
             while True:
                 tokens, logprobs, finish = await self.queue.get()
@@ -158,6 +154,19 @@ class _Job:
             if not self.request.finished and not self.text.stopped:
                 log.info("client went away after %d tokens: request cancelled", len(self.tokens))
             self.request.cancel()  # frees the slot at the next step (a no-op once finished)
+
+
+def _submit(service: Service, jobs: list[_Job]):
+    """Queue every choice of one HTTP request with nothing between them, so all run on one set of
+    weights even during a hot swap: (params, fingerprint) of those weights."""
+    groups = {id(job.group[0]): [j.request for j in job.group] for job in jobs}
+    return service.engine.submit_groups(list(groups.values()))
+
+
+def _cancel(jobs: list[_Job]) -> None:
+    """Free the slots of a request's choices (a no-op for those that finished)."""
+    for job in jobs:
+        job.request.cancel()
 
 
 def _grouped(jobs: list[_Job], n: int) -> list[_Job]:
@@ -262,11 +271,18 @@ def _parse(model_cls, raw: bytes, service: Service):
     return body
 
 
-def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1 << 20):
-    """The FastAPI application serving `service` (run it with uvicorn; see `serve`)."""
+def create_app(
+    service: Service,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 1 << 20,
+    admin_key: str | None = None,
+):
+    """The FastAPI application serving `service` (run it with uvicorn; see `serve`). `admin_key`
+    opens /admin/* to requests that send it (without one they are refused)."""
     app = FastAPI(title="shipyard serve", docs_url=None, redoc_url=None, openapi_url=None)
     if service.metrics is None:
-        service.metrics = ServeMetrics(service.engine)
+        service.metrics = ServeMetrics(service.engine, service.swapper)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -291,7 +307,26 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             "model": service.name,
             "max_batch": engine.max_batch,
             "active": engine.active(),
+            "fingerprint": engine.fingerprint,
         }
+
+    @app.get("/admin/weights")
+    async def weights():
+        swapper = service.swapper
+        source = {"model": swapper.model, "step": swapper.step} if swapper else {}
+        return {"fingerprint": service.engine.fingerprint, **source}
+
+    @app.post("/admin/swap")
+    async def swap(request: HttpRequest):
+        body = _parse(SwapRequest, await request.body(), service)
+        if service.swapper is None:
+            raise ApiError("this server was started without a way to load weights", status=409)
+        try:
+            return await asyncio.to_thread(service.swapper.swap_to, body.path, body.step)
+        except SwapBusy as e:
+            raise ApiError(str(e), status=409, code="swap_in_progress") from e
+        except SwapRefused as e:
+            raise ApiError(str(e), status=409, param="path", code="swap_refused") from e
 
     @app.get("/metrics")
     async def metrics():
@@ -340,7 +375,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             raise ApiError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
         return {"prompt": service.decode(body.tokens)}
 
-    return _Guard(app, api_key, max_body_bytes, service.metrics)
+    return _Guard(app, api_key, max_body_bytes, service.metrics, admin_key)
 
 
 def _model_card(service: Service) -> dict:
@@ -387,9 +422,6 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
         ],
         body.n,
     )  # choice i * n + j: prompt i's choice j, as OpenAI numbers them
-    echoes = [
-        e for e in await asyncio.gather(*(_echo(service, body, p) for p in prompts)) for _ in range(body.n)
-    ]
     head = {"id": rid, "object": "text_completion", "created": created, "model": service.name}
 
     def logged(completion_tokens: int, finish) -> None:
@@ -400,22 +432,37 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
 
     if body.stream:
         return streaming(
-            _stream_completions(body, jobs, echoes, head, logged), media_type="text/event-stream"
+            _stream_completions(service, body, prompts, jobs, head, logged), media_type="text/event-stream"
         )
-    choices = await asyncio.gather(*(_complete_one(body, i, job, echoes[i]) for i, job in enumerate(jobs)))
+    try:
+        echoes = await _started(service, body, prompts, jobs, head)
+        choices = await asyncio.gather(
+            *(_complete_one(body, i, job, echoes[i]) for i, job in enumerate(jobs))
+        )
+    finally:
+        _cancel(jobs)
     n_out = sum(len(j.tokens) for j in jobs)
     logged(n_out, ",".join(c["finish_reason"] for c in choices))
     return {**head, "choices": choices, "usage": _usage(sum(map(len, prompts)), n_out)}
 
 
-async def _echo(service: Service, body: CompletionRequest, prompt: list[int]):
+async def _started(service: Service, body: CompletionRequest, prompts, jobs: list[_Job], head: dict) -> list:
+    """Queue the jobs, note their weights' fingerprint in `head`, and return each choice's echo
+    (scored on those weights)."""
+    params, fingerprint = _submit(service, jobs)
+    head["system_fingerprint"] = fingerprint
+    echoes = await asyncio.gather(*(_echo(service, body, p, params) for p in prompts))
+    return [e for e in echoes for _ in range(body.n)]
+
+
+async def _echo(service: Service, body: CompletionRequest, prompt: list[int], params):
     """(prompt text, a function making its logprobs object, or None) for an `echo` request, else
     None. A fresh object per choice: each choice's logprobs go on from the prompt's."""
     if not body.echo:
         return None
     fresh = None
     if body.logprobs is not None:
-        scores = await asyncio.to_thread(prompt_logprobs, service.engine.params, service.engine.cfg, prompt)
+        scores = await asyncio.to_thread(prompt_logprobs, params, service.engine.cfg, prompt)
 
         def fresh():
             lp = _Logprobs(service, body.logprobs)
@@ -444,8 +491,13 @@ async def _complete_one(body: CompletionRequest, index: int, job: _Job, echo) ->
     }
 
 
-async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator[str]:
+async def _stream_completions(service, body, prompts, jobs, head, logged) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
+    try:
+        echoes = await _started(service, body, prompts, jobs, head)
+    except BaseException:
+        _cancel(jobs)
+        raise
 
     async def pump(index: int, job: _Job):
         lp = _Logprobs(job.service, body.logprobs) if body.logprobs is not None else None
@@ -488,6 +540,7 @@ async def _stream_completions(body, jobs, echoes, head, logged) -> AsyncIterator
     finally:
         for t in tasks:
             t.cancel()
+        _cancel(jobs)
 
 
 async def _chat(service: Service, body: ChatRequest, streaming: Callable):
@@ -527,6 +580,7 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     if body.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name}
         return streaming(_stream_chat(service, body, jobs, head, top, logged), media_type="text/event-stream")
+    _, fingerprint = _submit(service, jobs)
 
     async def one(index: int, job: _Job) -> dict:
         text, logprobs, finish = [], [], None
@@ -541,9 +595,13 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
             "finish_reason": finish,
         }
 
-    choices = await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    try:
+        choices = await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    finally:
+        _cancel(jobs)
     logged([c["finish_reason"] for c in choices])
     head = {"id": rid, "object": "chat.completion", "created": created, "model": service.name}
+    head["system_fingerprint"] = fingerprint
     return {**head, "choices": choices, "usage": _usage(len(prompt), sum(len(j.tokens) for j in jobs))}
 
 
@@ -555,6 +613,7 @@ async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, 
         return _sse({**head, "choices": [choice]})
 
     queue: asyncio.Queue = asyncio.Queue()
+    _, head["system_fingerprint"] = _submit(service, jobs)
 
     async def pump(index: int, job: _Job):
         try:
@@ -593,27 +652,30 @@ async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, 
     finally:
         for t in tasks:
             t.cancel()
+        _cancel(jobs)
 
 
 ROUTES = frozenset(
     {
         "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-        "/tokenizer_info", "/tokenize", "/detokenize",
+        "/tokenizer_info", "/tokenize", "/detokenize", "/admin/weights", "/admin/swap",
     }
 )  # fmt: skip
 """The routes /metrics counts responses of by name (any other path counts as "other")."""
 
 
 class _Guard:
-    """ASGI middleware in front of every route: the API key, then the body size limit.
+    """ASGI middleware in front of every route: the API key (the admin key for /admin/*), then the
+    body size limit.
 
     The body is read here in full (at most `max_body` bytes) and replayed to
     the app, so an oversized upload is refused (413) before any parsing, and
     the app's later `receive` calls still see a client's disconnect.
     """
 
-    def __init__(self, app, api_key: str | None, max_body: int, metrics: ServeMetrics):
+    def __init__(self, app, api_key: str | None, max_body: int, metrics: ServeMetrics, admin_key: str | None):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
+        self.admin_key = admin_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -629,12 +691,23 @@ class _Guard:
 
     async def _guarded(self, scope, receive, send):
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
-                what = "no API key" if not given else "a wrong API key"
-                message = f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'"
+        given = headers.get(b"authorization", b"")
+        if scope["path"].startswith("/admin/"):
+            if self.admin_key is None:
+                message = "the admin endpoints are off: start shipyard serve with --admin-key KEY to use them"
+                return await _send_error(send, ApiError(message, status=403, code="admin_disabled"))
+            if not hmac.compare_digest(given, b"Bearer " + self.admin_key.encode()):
+                what = "no admin key" if not given else "a wrong admin key"
+                message = f"{what}: send the server's --admin-key as 'Authorization: Bearer KEY'"
                 return await _send_error(send, ApiError(message, status=401, code="invalid_api_key"))
+        elif (
+            self.api_key is not None
+            and scope["path"] != "/health"
+            and not hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+        ):
+            what = "no API key" if not given else "a wrong API key"
+            message = f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'"
+            return await _send_error(send, ApiError(message, status=401, code="invalid_api_key"))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             return await _send_error(send, self._too_big(int(declared)))

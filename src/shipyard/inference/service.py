@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
+from shipyard.inference.hot_swap import Swapper, fingerprint, tokenizer_digest
 from shipyard.inference.server import Service, create_app
 from shipyard.output import progress
 
@@ -37,7 +38,8 @@ def load_service(
     tokens_per_call: int = 8,
     fixed_shape: bool = False,
 ) -> Service:
-    """A started, warmed-up `Service` for the model directory `model`."""
+    """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
+    (`hot_swap.Swapper`) of the same kind."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
@@ -59,7 +61,7 @@ def load_service(
         chat = chat_format_of(tok_dir, template or run_template(model_dir.config))
     except DataError as e:
         missing = str(e)
-    cfg, _, params = model_dir.load(step, what="serve")
+    cfg, step, params = model_dir.load(step, what="serve")
     params = maybe_quantize(params, cfg.model, quantize)
     engine = Engine(
         params,
@@ -69,6 +71,7 @@ def load_service(
         kv_dtype=kv_dtype,
         tokens_per_call=tokens_per_call,
         fixed_shape=fixed_shape,
+        fingerprint=fingerprint(params),
     )
     # every decode shape and prefill bucket now, not in the middle of someone's stream
     with progress(desc="serve: compiling", unit="program", total=engine.compilations()) as bar:
@@ -87,18 +90,40 @@ def load_service(
         defaults=gen,
         specials=specials,
         chat_template=hf_template if isinstance(hf_template, str) else None,
+        swapper=Swapper(
+            engine,
+            str(Path(model).resolve()) if "://" not in str(model) else str(model),
+            step,
+            tokenizer=tokenizer,
+            quantize=quantize,
+            tokenizer_sha256=tokenizer_digest(tok_dir),
+        ),
     )
 
 
-def serve(service: Service, *, host: str, port: int, api_key: str | None, max_body_bytes: int) -> int:
-    """Run the HTTP server until it is told to stop (SIGTERM / SIGINT drain in-flight requests first)."""
+def serve(
+    service: Service,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_body_bytes: int,
+    admin_key: str | None = None,
+    watch: str | None = None,
+    watch_every: float = 10.0,
+) -> int:
+    """Run the HTTP server until it is told to stop (SIGTERM / SIGINT drain in-flight requests first).
+    `watch`: a run directory whose newest verified checkpoint is swapped in (polled every `watch_every` s)."""
     import uvicorn
 
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, admin_key=admin_key)
+    if watch is not None:
+        service.swapper.watch(watch, watch_every)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        service.swapper.stop()
         service.engine.stop()
 
     # The guard wraps the FastAPI app; the lifespan hook stops the engine once uvicorn has drained.

@@ -94,6 +94,15 @@ def verify_checksums(directory: Path, step: int) -> str | None:
     return None
 
 
+def verified(directory: Path, step: int) -> str | None:
+    """None when checkpoint `step`'s sha256 sidecar is written and matches (strict, unlike
+    `verify_checksums`: what a server watching a run swaps to), "not hashed yet" without one, else
+    what is wrong."""
+    if not _sidecar(directory, step).is_file():
+        return "not hashed yet"
+    return verify_checksums(directory, step)
+
+
 class Checkpointer:
     """Decides when to save, saves asynchronously, and hashes finished saves; one per run."""
 
