@@ -27,10 +27,10 @@ quickstart: install
 
 # Default tier: everything but the end-to-end runs marked slow.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=25
 
 test-all: install
 	$(BIN)/python -m pytest -q

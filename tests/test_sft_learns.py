@@ -39,12 +39,9 @@ def _learns(run, held_out, *train_args):
     assert report["conversations"] == 100 and report["exact_match"] >= 0.9, out
 
 
-@pytest.mark.slow
-def test_sft_answers_held_out_prompts(tmp_path):
-    tok = write_tokenizer(tmp_path / "tok")
-    train, held_out = _task_files(tmp_path)
-    chat = f"data.chat={{train: {train}, validation: {held_out}, tokenizer: {tok}}}"
-    _learns(tmp_path / "sft", held_out, "tiny", "data.seq_len=128", chat, "train.eval_every=500", *QUIET)
+# (Full SFT with the built-in template is not run to the end here as well: the QLoRA test below trains
+# its base with it and learns the task on top, and tests/test_byo_model.py shows an HF template of the
+# same layout trains bitwise as the built-in one. One 1000-step run less in the slow tier.)
 
 
 # shipyard's own layout, written as a Hugging Face Jinja template that injects a default system prompt
