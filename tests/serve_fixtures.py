@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -111,6 +112,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, log: Path, *flags: str, api_key: str | None = None):
+    """A `ServerProcess` for the `with` block (a module fixture's lifetime); it must exit 0 at the end
+    (SIGTERM drains, then exits cleanly)."""
+    server = ServerProcess(model_dir, *flags, api_key=api_key, log=log)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_text()
 
 
 class ServerProcess:

@@ -97,13 +97,12 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(runs, tmp_path_factory):
-    from serve_fixtures import ServerProcess
+    from serve_fixtures import running_server
 
     log = tmp_path_factory.mktemp("swap-log") / "serve.log"
     flags = ["--admin-key", ADMIN, "--watch", "--watch-every", "0.3", "--max-batch", "4", "--max-len", "128"]
-    proc = ServerProcess(runs["served"], *flags, log=log)
-    yield proc
-    assert proc.stop() == 0, proc.log_text()
+    with running_server(runs["served"], log, *flags) as server:
+        yield server
 
 
 def _reference(run, prompts, max_tokens) -> list[str]:

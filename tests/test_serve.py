@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from data_fixtures import MC_ROWS
-from serve_fixtures import ServerProcess, slow_run, sse_events, trained_run
+from serve_fixtures import ServerProcess, running_server, slow_run, sse_events, trained_run
 
 from shipyard.cli.main import main
 
@@ -37,10 +37,8 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(run_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    s = ServerProcess(run_dir, "--max-batch", "8", "--model-name", "tiny-chat", api_key=KEY, log=log)
-    yield s
-    code = s.stop()
-    assert code == 0, s.log_text()
+    with running_server(run_dir, log, "--max-batch", "8", "--model-name", "tiny-chat", api_key=KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +418,22 @@ def test_echo_logprobs_score_the_prompt_like_the_model(server, run_dir):
     np.testing.assert_allclose(lp["token_logprobs"][1 : len(tokens)], want, rtol=1e-5)
     assert all(
         max(top.values()) >= lp_ - 1e-6 for lp_, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+    )
+
+
+def test_start_up_says_in_its_log_what_it_loaded_allocated_and_compiled(server, run_dir):
+    """Not a terminal (a log file): the start-up still says what it does, and the KV cache line
+    states the size docs/serving.md's formula gives (2 x layers x rows x slots x kv_heads x head_dim)."""
+    from shipyard.config import load_config
+
+    log = server.log_text()
+    m = load_config(str(run_dir / "config.yaml")).model
+    values = 2 * m.num_layers * 8 * m.max_seq_len * m.num_kv_heads * m.head_dim
+    assert f"serve: KV cache 8 rows x {m.max_seq_len} slots x float32 = {values * 4 / 2**20:.1f} MiB" in log
+    assert "the model's whole context" in log and "parameters (fp_" in log
+    total = int(log.split("serve: compiling ")[1].split()[0])
+    assert f"serve: compiled {total}/{total} (" in log and log.index("compiled 1/") < log.index(
+        "serving 'tiny-chat'"
     )
 
 

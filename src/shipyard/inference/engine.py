@@ -491,6 +491,10 @@ class Engine:
         slots, pos = list(self._slots), list(self._pos)
         return sum(p for r, p in zip(slots, pos) if r is not None)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes the preallocated KV cache takes (`max_batch` rows of `max_len` slots)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._caches))
+
     def start(self) -> Engine:
         self._thread = threading.Thread(target=self._run, name="shipyard-engine", daemon=True)
         self._thread.start()

@@ -13,7 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
@@ -61,8 +67,13 @@ def load_service(
         chat = chat_format_of(tok_dir, template or run_template(model_dir.config))
     except DataError as e:
         missing = str(e)
+    t0 = time.perf_counter()
+    _say(f"serve: loading {model}" + (f" (checkpoint {step})" if step is not None else ""))
     cfg, step, params = model_dir.load(step, what="serve")
     params = maybe_quantize(params, cfg.model, quantize)
+    weights = fingerprint(params)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    _say(f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded in {time.perf_counter() - t0:.1f} s")
     engine = Engine(
         params,
         cfg.model,
@@ -71,11 +82,16 @@ def load_service(
         kv_dtype=kv_dtype,
         tokens_per_call=tokens_per_call,
         fixed_shape=fixed_shape,
-        fingerprint=fingerprint(params),
+        fingerprint=weights,
     )
-    # every decode shape and prefill bucket now, not in the middle of someone's stream
-    with progress(desc="serve: compiling", unit="program", total=engine.compilations()) as bar:
-        engine.compile(on_shape=bar.update)
+    why = (
+        f"--max-len {max_len}" if max_len is not None else "the model's whole context: --max-len L takes less"
+    )
+    _say(
+        f"serve: KV cache {engine.max_batch} rows x {engine.max_len} slots x {jnp.dtype(engine.kv_dtype).name} "
+        f"= {engine.kv_cache_bytes() / 2**20:.1f} MiB (--max-batch {engine.max_batch}; {why})"
+    )
+    _compile(engine)
     engine.start()
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
     specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
@@ -99,6 +115,29 @@ def load_service(
             tokenizer_sha256=tokenizer_digest(tok_dir),
         ),
     )
+
+
+def _say(line: str) -> None:
+    """A start-up line on stderr, terminal or not (a server's log shows what it is doing)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _compile(engine: Engine) -> None:
+    """Every decode shape and prefill bucket now, not in the middle of someone's stream: a bar on a
+    terminal, a line per program in a log."""
+    total, t0 = engine.compilations(), time.perf_counter()
+    _say(f"serve: compiling {total} programs (decode shapes and prefill lengths; about a second each here)")
+    if sys.stderr.isatty():
+        with progress(desc="serve: compiling", unit="program", total=total) as bar:
+            engine.compile(on_shape=bar.update)
+        return
+    done = [0]
+
+    def line():
+        done[0] += 1
+        _say(f"serve: compiled {done[0]}/{total} ({time.perf_counter() - t0:.0f} s)")
+
+    engine.compile(on_shape=line)
 
 
 def serve(
