@@ -185,6 +185,10 @@ HOSTILE = [
     ("wrong API key", {"body": {"model": "tiny-chat", "prompt": "x"}, "headers": {"Authorization": "Bearer nope"}}, 401, "API key"),
     ("a body of 5 MB", {"raw": b'{"model": "tiny-chat", "prompt": "' + b"a" * (5 << 20) + b'"}'}, 413, "limit"),
     ("unknown route", {"path": "/v1/nothing", "body": {}}, 404, "Not Found"),
+    ("best_of below n", {"body": {"model": "tiny-chat", "prompt": "x", "n": 3, "best_of": 2}}, 400, "best_of (2) must be at least n (3)"),
+    ("best_of streamed", {"body": {"model": "tiny-chat", "prompt": "x", "best_of": 3, "stream": True}}, 400, "best_of cannot be streamed"),
+    ("best_of past --max-batch", {"body": {"model": "tiny-chat", "prompt": "x", "best_of": 9}}, 400, "best_of=9 choices do not fit"),
+    ("best_of in chat", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "best_of": 2}}, 400, "'best_of' is not supported"),
     ("a swap on a server without --admin-key", {"path": "/admin/swap", "body": {"path": "x"}}, 403, "--admin-key"),
 ]  # fmt: skip
 
@@ -242,6 +246,20 @@ def test_n_choices_are_the_seeds_after_the_requests_each_alone(server, client):
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
     assert [texts[i] for i in range(3)] == [c.message.content for c in chat.choices]
     assert len({c.message.content for c in chat.choices}) > 1
+
+
+def test_best_of_returns_the_samples_with_the_highest_mean_logprob_per_token(client):
+    """best_of=4, n=2: the 4 samples are n=4's (seeds s .. s+3, one prefill), and the 2 returned are
+    those with the highest mean chosen-token log-prob, best first; usage counts all 4."""
+    kw = {"model": "tiny-chat", "prompt": "Simon", "max_tokens": 10, "temperature": 1.0, "seed": 3}
+    four = client.completions.create(n=4, logprobs=0, **kw).choices
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in four]
+    assert len(set(mean)) == 4  # no ties: the ranking is the one asked for
+    best = client.completions.create(n=2, best_of=4, **kw)
+    ranked = sorted(range(4), key=lambda i: -mean[i])
+    assert [c.text for c in best.choices] == [four[i].text for i in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in four)
 
 
 def _scrape(server) -> dict[tuple, float]:

@@ -2,15 +2,15 @@
 
 Strict: a number where a string is expected (or "0.7" where a number is) is
 an error, not a guess. Fields OpenAI defines that shipyard does not implement
-(penalties, logit_bias, n > 1, best_of, tools) are refused with a 400 naming
-them rather than silently ignored, so a client never gets behaviour it did
+(penalties, logit_bias, tools, response_format, best_of in chat) are refused
+with a 400 naming them rather than silently ignored, so a client never gets behaviour it did
 not ask for; other unknown fields are ignored (clients send extras such as
 `user`), and listed in the server log.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -79,11 +79,14 @@ class _Sampling(BaseModel):
     presence_penalty: Literal[0, 0.0] | None = None
     frequency_penalty: Literal[0, 0.0] | None = None
 
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias", "tools", "functions", "suffix", "response_format")
+    """OpenAI fields refused with a 400 naming them (rather than ignored)."""
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
-            for name in ("logit_bias", "best_of", "tools", "functions", "suffix", "response_format"):
+            for name in cls.UNSUPPORTED:
                 if data.get(name) not in (None, {}, [], 1 if name == "best_of" else None):
                     raise ValueError(f"'{name}' is not supported by shipyard serve")
         return data
@@ -115,6 +118,22 @@ class CompletionRequest(_Sampling):
     """Return the prompt before the completion (with `logprobs`: the prompt tokens' log-probabilities)."""
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     """Log-probabilities of each token and of the `logprobs` most likely alternatives."""
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    """Sample this many choices per prompt (one prefill, seeds seed + j as for `n`) and return the `n`
+    with the highest mean log-probability per token (OpenAI's rule), best first; not with `stream`."""
+
+    @model_validator(mode="after")
+    def _check_best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and self.samples > self.n:
+            raise ValueError("best_of cannot be streamed (the best choices are known only at the end)")
+        return self
+
+    @property
+    def samples(self) -> int:
+        """Choices sampled per prompt: `best_of`, else `n`."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -142,6 +161,8 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (*_Sampling.UNSUPPORTED, "best_of")
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None

@@ -119,6 +119,7 @@ class _Job:
         self.text = IncrementalText(service.decode, stops, hidden)
         self.request = Request(prompt, sampling, self._on_tokens)
         self.tokens: list[int] = []
+        self.chosen: list[float] = []  # the log-probs of the kept tokens, when the request asked for them
         self.service = service
         self.arrived, self.first = time.perf_counter(), None
 
@@ -141,6 +142,7 @@ class _Job:
                         f"generation ended early ({finish}): the server is stopping or failed", status=503
                     )
                 self.tokens.extend(tokens)
+                self.chosen += [lp[0] for lp in logprobs if lp is not None]
                 piece = self.text.push(tokens)
                 if self.text.stopped:
                     self.request.cancel()
@@ -177,12 +179,12 @@ def _grouped(jobs: list[_Job], n: int) -> list[_Job]:
     return jobs
 
 
-def _n_check(service: Service, n: int) -> None:
+def _n_check(service: Service, n: int, name: str = "n") -> None:
     if n > service.engine.max_batch:
         raise ApiError(
-            f"n={n} choices do not fit this server's {service.engine.max_batch} decode slots "
+            f"{name}={n} choices do not fit this server's {service.engine.max_batch} decode slots "
             "(shipyard serve --max-batch); ask for fewer",
-            param="n",
+            param=name,
         )
 
 
@@ -404,10 +406,11 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
     prompts = [_prompt_ids(service, p) for p in body.prompts()]
     for p in prompts:
         _context_check(service, len(p), body.max_tokens)
-    _n_check(service, body.n)
+    k = body.samples  # sampled per prompt; the best n of them are returned
+    _n_check(service, k, "best_of" if k > body.n else "n")
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     t0 = time.perf_counter()
-    want_lp = body.logprobs is not None
+    want_lp = body.logprobs is not None or k > body.n  # best_of ranks by the chosen tokens' log-probs
     jobs = _grouped(
         [
             _Job(
@@ -418,10 +421,10 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
                 service.eos_ids,
             )
             for p in prompts
-            for j in range(body.n)
+            for j in range(k)
         ],
-        body.n,
-    )  # choice i * n + j: prompt i's choice j, as OpenAI numbers them
+        k,
+    )  # choice i * k + j: prompt i's choice j, as OpenAI numbers them
     head = {"id": rid, "object": "text_completion", "created": created, "model": service.name}
 
     def logged(completion_tokens: int, finish) -> None:
@@ -441,9 +444,23 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
         )
     finally:
         _cancel(jobs)
-    n_out = sum(len(j.tokens) for j in jobs)
+    if k > body.n:
+        choices = _best(choices, jobs, body.n, k)
+    n_out = sum(len(j.tokens) for j in jobs)  # every sample counts, as OpenAI bills best_of
     logged(n_out, ",".join(c["finish_reason"] for c in choices))
     return {**head, "choices": choices, "usage": _usage(sum(map(len, prompts)), n_out)}
+
+
+def _best(choices: list[dict], jobs: list[_Job], n: int, k: int) -> list[dict]:
+    """best_of: of each prompt's k choices, the n with the highest mean log-probability per token (ties:
+    the lower seed), best first, numbered prompt-major."""
+    out = []
+    for first in range(0, len(jobs), k):
+        ranked = sorted(
+            range(first, first + k), key=lambda i: -sum(jobs[i].chosen) / max(len(jobs[i].chosen), 1)
+        )
+        out += [{**choices[i], "index": len(out) + r} for r, i in enumerate(ranked[:n])]
+    return out
 
 
 async def _started(service: Service, body: CompletionRequest, prompts, jobs: list[_Job], head: dict) -> list:
@@ -452,7 +469,7 @@ async def _started(service: Service, body: CompletionRequest, prompts, jobs: lis
     params, fingerprint = _submit(service, jobs)
     head["system_fingerprint"] = fingerprint
     echoes = await asyncio.gather(*(_echo(service, body, p, params) for p in prompts))
-    return [e for e in echoes for _ in range(body.n)]
+    return [e for e in echoes for _ in range(body.samples)]
 
 
 async def _echo(service: Service, body: CompletionRequest, prompt: list[int], params):
