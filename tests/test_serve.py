@@ -410,32 +410,41 @@ def test_requests_join_a_batch_that_is_already_decoding(slow_server):
         assert got[0] < long_times[-1] and got[-1] < long_times[-1], p  # served while the long one ran
 
 
-def test_echo_logprobs_score_the_prompt_like_the_model(server, run_dir):
+def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path):
+    """The served log-probs are the model's: the prompt's (echo) and the greedy reply's chosen tokens
+    equal log_softmax of transformers' Llama run in float64 on the exported weights (not the function
+    the server calls) within 1e-5, and the reply is that forward's greedy continuation."""
     import numpy as np
+    import torch
+    import transformers
 
-    from shipyard.inference.engine import prompt_logprobs
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.interop.hf import write_hf_dir
     from shipyard.run.model_dir import open_model_dir
 
-    tokens = [5, 17, 99, 3, 8, 2, 77]
-    r = _post(
-        server,
-        "/v1/completions",
-        {
-            "model": "tiny-chat",
-            "prompt": tokens,
-            "max_tokens": 1,
-            "temperature": 0,
-            "echo": True,
-            "logprobs": 1,
-        },
-    )
-    lp = r.json()["choices"][0]["logprobs"]
-    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(tokens) + 1
-    cfg, _, params = open_model_dir(run_dir, "test").load()
-    want = [c for c, _ in prompt_logprobs(params, cfg.model, tokens)]
-    np.testing.assert_allclose(lp["token_logprobs"][1 : len(tokens)], want, rtol=1e-5)
+    prompt, new = [5, 17, 99, 3, 8, 2, 77, 41, 12, 6], 8
+    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+    choice = _post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    assert served[0] is None and len(served) == len(prompt) + new
+    model_dir = open_model_dir(run_dir, "test")
+    cfg, _, params = model_dir.load()
+    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), torch_dtype=torch.float64
+    ).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new + 1):  # the float64 model's own greedy reply, then the scores of all of it
+            logits = hf(torch.tensor([ids])).logits[0].numpy()
+            if len(ids) < len(prompt) + new:
+                ids.append(int(np.argmax(logits[-1])))
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
+    tok = load_tokenizer(model_dir.tokenizer())
+    assert choice["text"] == tok.decode(ids, skip_special_tokens=False)  # echo: the prompt, then the reply
     assert all(
-        max(top.values()) >= lp_ - 1e-6 for lp_, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+        max(top.values()) >= v - 1e-6 for v, top in zip(served[1:], choice["logprobs"]["top_logprobs"][1:])
     )
 
 
