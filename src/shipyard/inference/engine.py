@@ -947,29 +947,3 @@ def _sizes(smallest: int, largest: int) -> list[int]:
     while out[-1] * 4 < largest:
         out.append(out[-1] * 4)
     return [s for s in out if s < largest] + [largest]
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def _prompt_logprobs(params, tokens, cfg: ModelConfig):
-    cache = init_cache(cfg, 1, tokens.shape[1], default_kv_dtype(params))
-    start = jnp.zeros(1, jnp.int32)
-    logits, _ = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg)
-    logits = logits[0, :-1]
-    return token_logprobs(logits, tokens[0, 1:])
-
-
-def prompt_logprobs(params, cfg: ModelConfig, prompt: Sequence[int]) -> list[tuple[float, list]]:
-    """log p(prompt[i] | prompt[:i]) with the top alternatives, for i = 1 .. len - 1 (an `echo` request).
-
-    The prompt is right-padded to a power-of-two bucket (causal attention
-    keeps the padding out of every scored position), so a server compiles
-    few shapes.
-    """
-    n = len(prompt)
-    if n < 2:
-        return []
-    width = max(16, 1 << (n - 1).bit_length())
-    tokens = np.zeros((1, width), np.int32)
-    tokens[0, :n] = prompt
-    chosen, best, ids = (np.asarray(x)[: n - 1] for x in _prompt_logprobs(params, jnp.asarray(tokens), cfg))
-    return [(float(c), list(zip(i.tolist(), b.tolist()))) for c, b, i in zip(chosen, best, ids)]

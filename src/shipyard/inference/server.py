@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from shipyard.inference.detokenize import IncrementalText
-from shipyard.inference.engine import Engine, Request, prompt_logprobs
+from shipyard.inference.engine import Engine, Request
 from shipyard.inference.hot_swap import SwapBusy, Swapper, SwapRefused
 from shipyard.inference.metrics import CONTENT_TYPE, ServeMetrics
 from shipyard.inference.openai_api import (
@@ -52,6 +52,7 @@ from shipyard.inference.openai_api import (
     validation_message,
 )
 from shipyard.inference.sampling import API, Sampling, resolve_sampling
+from shipyard.inference.scoring import prompt_logprobs
 
 log = logging.getLogger("shipyard.serve")
 
