@@ -3,6 +3,7 @@ training on a mesh with pipeline stages equals one device (loss, grad_norm, ever
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,59 @@ def test_circular_pipeline_with_fsdp_and_tensor_equals_one_device(dense_referenc
     stage0 = {d for d in run.program.mesh.devices[0].reshape(-1)}
     held = {s.index[0].start for s in wq.addressable_shards if s.device in stage0}
     assert held == {0}  # stage 0 holds layers 0-1 (stage 1 the rest)
+    assert all(s.data.shape[0] == 2 for s in wq.addressable_shards)  # every device: 1/2 of the layers
+    # and the compiled step pipelines: activations go stage to stage by collective-permute, and no
+    # all-gather in the layer loop spans two stages (without the schedule, XLA gathers the layer stack
+    # across them; the embedding and head outside the loop are sharded over every axis)
+    hlo = run.program.lower_train_step().compile().as_text()
+    stage = _stage_of_partition(run.program.mesh)
+    hops = [_groups(line) for line in _ops(hlo, "collective-permute")]
+    assert any(pairs and all(stage[a] != stage[b] for a, b in pairs) for pairs in hops), hops
+    gathers = [_groups(line) for line in _ops(hlo, "all-gather") if "/while/body/" in line]
+    assert gathers and all(len({stage[d] for d in g}) == 1 for groups in gathers for g in groups), gathers
+
+
+def _ops(hlo: str, op: str) -> list[str]:
+    """The instructions of one collective kind in a compiled module's text."""
+    return [line for line in hlo.splitlines() if re.search(rf"\S+ {op}(-start)?\(", line)]
+
+
+def _groups(line: str) -> list[list[int]]:
+    """The device groups of a collective: its source_target_pairs, or its replica_groups written out
+    ({{0,2},{1,3}}), as an iota ([4,2]<=[2,2,2]T(0,2,1)) or along axes of a named mesh
+    (mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'})."""
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{(\d+,\d+)\}", m[1])]
+    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line):
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m[1])]
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        shape, dims = [int(x) for x in m[1].split(",")], [int(x) for x in m[2].split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m[3]:
+            ids = ids.transpose([int(x) for x in m[3].split(",")])
+        return ids.reshape(shape).tolist()
+    if m := re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+        line,
+    ):
+        axes = re.findall(r"'(\w+)'=(\d+)", m[1])  # a named mesh, groups along the listed axes
+        sizes = [int(n) for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if m[2]:
+            ids = ids.reshape([int(x) for x in m[2].split(",")])
+            if m[3]:
+                ids = ids.transpose([int(x) for x in m[3].split(",")])
+        ids = ids.reshape(sizes)
+        along = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m[4]]
+        rest = [i for i in range(len(axes)) if i not in along]
+        return ids.transpose(rest + along).reshape(-1, int(np.prod([sizes[i] for i in along]))).tolist()
+    raise AssertionError(f"a collective whose groups this test cannot read: {line.strip()[:200]}")
+
+
+def _stage_of_partition(mesh) -> dict[int, int]:
+    """Pipeline stage of each SPMD partition (partition i runs on mesh.devices.flat[i])."""
+    axis = mesh.axis_names.index("pipeline")
+    return {i: int(np.unravel_index(i, mesh.devices.shape)[axis]) for i in range(mesh.devices.size)}
 
 
 DENSE_MESHES = {
