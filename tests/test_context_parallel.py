@@ -66,19 +66,26 @@ def test_unsupported_context_configs_are_refused():
 
 
 @pytest.mark.parametrize(
-    "context,block", [(4, None), (2, 3)], ids=["context=4 in halves", "context=2 in tiles of 2"]
+    "context,block,window,new_doc",
+    [(4, None, 7, 0.15), (2, 3, 7, 0.15), (4, None, None, 0.02)],
+    ids=["context=4 in halves", "context=2 in tiles of 2", "context=4 global, long documents"],
 )
-def test_ring_attention_equals_one_device_attention_forward_and_backward(context, block):
-    """Zig-zag ordered q/k/v over the context axis (x data), GQA, documents and a window, each
-    chunk in halves or in tiles (block 3: the largest divisor of the half up to it, 2): the output
-    and the gradients of q, k, v equal `attention.attend` over the [L, L] mask in the original order."""
+def test_ring_attention_equals_one_device_attention_forward_and_backward(context, block, window, new_doc):
+    """Zig-zag ordered q/k/v over the context axis (x data), GQA, documents (a new one at each
+    position with probability `new_doc`) and a window (None: global attention, over documents that
+    span several devices' chunks, so every hop of the ring carries keys some query needs), each chunk
+    in halves or in tiles (block 3: the largest divisor of the half up to it, 2): the output and the
+    gradients of q, k, v equal `attention.attend` over the [L, L] mask in the original order."""
     B, L, K, G, D = 2, 8 * context, 2, 2, 8
     mesh = make_mesh(MeshConfig(data=8 // context, context=context), jax.devices())
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (B, L, K, G, D))
     k, v = jax.random.normal(keys[1], (B, L, K, D)), jax.random.normal(keys[2], (B, L, K, D))
-    seg = jnp.cumsum(jax.random.uniform(keys[3], (B, L)) < 0.15, axis=1).astype(jnp.int32)
-    window = jnp.int32(7)
+    seg = jnp.cumsum(jax.random.uniform(keys[3], (B, L)) < new_doc, axis=1).astype(jnp.int32)
+    if window is None:  # documents longer than the window the other cases use: the far keys count
+        assert int(jnp.max(jnp.bincount(seg[0]))) > 2 * 7
+    else:
+        window = jnp.int32(window)
     order = jnp.asarray(zigzag_order(L, context))
     back = jnp.argsort(order)
 
@@ -158,14 +165,20 @@ def test_moe_with_context_and_expert_parallelism_equals_one_device(
     assert_same_training(_run("moe-tiny", MOE, mesh_cfg, devices, byte_tokens), moe_reference)
 
 
-def test_packed_chat_gradients_equal_one_device():
+@pytest.mark.parametrize(
+    "overrides,documents",
+    [(["model.sliding_window=5", "model.num_layers=1"], 3), (["model.num_layers=2"], 2)],
+    ids=["window 5, 1 layer", "global, 2 layers, long documents"],
+)
+def test_packed_chat_gradients_equal_one_device(overrides, documents):
     """Packed conversations (batch segment ids, positions restarting at 0, padding as segment -1, a
-    loss mask on replies only) under context=4 x tensor=2 with a sliding window: causality by slot,
-    RoPE by the batch's positions; the loss and every gradient equal one device's."""
-    cfg = load_config("tiny", TINY + ["model.sliding_window=5", "model.num_layers=1"])
+    loss mask on replies only) under context=4 x tensor=2, with a sliding window or global attention
+    over `documents` per row: causality by slot, RoPE by the batch's positions; the loss and every
+    gradient equal one device's."""
+    cfg = load_config("tiny", TINY + overrides)
     B, L = cfg.train.global_batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
-    segments = np.sort(rng.integers(0, 3, (B, L)), axis=1)
+    segments = np.sort(rng.integers(0, documents, (B, L)), axis=1)
     segments[:, -3:] = -1  # padding at each row's end
     starts = np.maximum.accumulate(
         np.where(np.diff(segments, prepend=-2, axis=1) != 0, np.arange(L), 0), axis=1
