@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from chat_fixtures import train_sft, upper_task, write_chats, write_tokenizer
+from mesh_fixtures import assert_trees_close
 from model_fixtures import noisy_params
 
 from shipyard.cli.main import main
@@ -423,8 +424,10 @@ def test_finetune_gradients_on_a_mesh_equal_one_device(finetune):
     got = jax.jit(make_gradient_fn(cfg, None, layout, part), in_shardings=(t_sh, f_sh, b_sh, None))(
         jax.device_put(trainable, t_sh), jax.device_put(frozen, f_sh), jax.device_put(batch, b_sh), 1.0
     )[0]
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+    # each leaf relative to its norm; an int8 base's dots run as YNNPACK int8 kernels on CPU, whose fp32
+    # accumulation is split by the shard shapes (measured: 3e-5 on the adapters of `down`)
+    tol = 1e-4 if "int8" in finetune else 1e-5
+    assert_trees_close(jax.device_get(got), jax.device_get(want), tol)
     if "nf4" in finetune:  # the codes are sharded like the weight (embed over fsdp, heads over tensor)
         from shipyard.model.transformer import param_specs
 
