@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,15 +235,15 @@ CASES = [
     C("eval tokens flag", lambda t, w: ["eval", str(w.run), "--tokens", str(w.shards)], CONFIG, "--tokens"),
     C("plan mesh", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=x"], CONFIG, "fsdp"),
     C("serve batch", lambda t, w: ["serve", str(w.run), "--max-batch", "0"], CONFIG, "--max-batch"),
-    C("no such step", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--step", "99"], RUNDIR, "99"),
+    C("no such step", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--step", "99"], RUNDIR, "has no checkpoint 99 (available: 1)"),
     # data files
     C("missing documents", lambda t, w: ["data", "filter", str(t / "none.jsonl"), "--out", str(t / "o")], DATA, "none.jsonl"),
     C("malformed documents", lambda t, w: ["data", "filter", str(_write(t / "d.jsonl", "{oops\n[1]\n")), "--out", str(t / "o")], DATA, "d.jsonl"),
-    C("text field", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--text-field", "body"], DATA, "body"),
+    C("text field", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--text-field", "body"], DATA, "missing or non-string field 'body'"),
     C("stage setting", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--set", "threshold=2"], CONFIG, "threshold"),
     C("extract setting", lambda t, w: ["data", "extract", str(w.docs), "--out", str(t / "o"), "--set", "list_link_fraction=1.5"], CONFIG, "list_link_fraction"),
     C("tiny vocab", lambda t, w: ["data", "tokenizer-train", str(w.docs), "--out", str(t / "o"), "--set", "vocab_size=10"], CONFIG, "vocab_size"),
-    C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "exists"),
+    C("output exists", lambda t, w: ["data", "filter", str(w.docs), "--out", str(_copy(w.shards, t / "o"))], DATA, "already exists; pass --overwrite or choose another --out"),
     C("input scheme", lambda t, w: ["data", "filter", "htp://bucket/docs.jsonl", "--out", str(t / "o")], DATA, "scheme 'htp'"),
     C("ray address shape", lambda t, w: ["data", "filter", str(w.docs), "--out", str(t / "o"), "--ray", "headnode"], DATA, "expected host:port"),
     C("ray address dead", lambda t, w: ["data", "dedup", str(w.docs), "--out", str(t / "o"), "--ray", _dead_address()], DATA, "no ray cluster answers"),
@@ -251,32 +252,32 @@ CASES = [
     C("missing input object", lambda t, w: ["data", "filter", "memory://shipyard-bad/none.jsonl", "--out", str(t / "o")], DATA, "none.jsonl: no such object or prefix"),
     C("unpublished input prefix", lambda t, w: ["data", "dedup", _half_published(), "--out", str(t / "o")], DATA, "not a complete stage output (no _success)"),
     C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
-    C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none"),
+    C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none does not exist (expected a 1-D .npy of token ids)"),
     C("float tokens", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.zeros(4096, np.float32))}"), DATA, "t.npy"),
     C("tokens scheme", lambda t, w: _train(t, "data.train_tokens=htp://b/shards", "model.vocab_size=320"), DATA, "data: htp://b/shards has scheme 'htp'"),
-    C("ids past vocab", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.full(4096, 900, np.int32))}"), DATA, "vocab"),
-    C("vocab below tokenizer", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=100"), DATA, "vocab"),
+    C("ids past vocab", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.full(4096, 900, np.int32))}"), DATA, "has token id 900 at position 0, outside model.vocab_size=512"),
+    C("vocab below tokenizer", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=100"), DATA, "tokenized with a vocabulary of 320, larger than model.vocab_size=100"),
     # shard directories and manifests
-    C("no manifest", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'no manifest')}"), DATA, "manifest"),
-    C("manifest json", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest json')}"), DATA, "manifest"),
-    C("manifest field", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest field')}"), DATA, "manifest"),
-    C("missing shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'missing shard')}", "model.vocab_size=320"), DATA, "shard"),
-    C("truncated shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'truncated')}", "model.vocab_size=320"), DATA, "shard"),
-    C("verify corrupt", lambda t, w: ["data", "verify", str(_corrupt_shards(t, w))], DATA, "corrupt"),
+    C("no manifest", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'no manifest')}"), DATA, "no manifest.json (expected the output of `shipyard data tokenize`)"),
+    C("manifest json", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest json')}"), DATA, "manifest.json: not valid JSON"),
+    C("manifest field", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'manifest field')}"), DATA, "manifest lacks shards"),
+    C("missing shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'missing shard')}", "model.vocab_size=320"), DATA, "shard-00000.npy is missing (the manifest lists it)"),
+    C("truncated shard", lambda t, w: _train(t, f"data.train_tokens={_broken_shards(t, w, 'truncated')}", "model.vocab_size=320"), DATA, "bytes, expected 4204 for its 2038 tokens (truncated or appended to)"),
+    C("verify corrupt", lambda t, w: ["data", "verify", str(_corrupt_shards(t, w))], DATA, "shard-00000.npy is corrupt (sha256"),
     # tokenizer files
     C("tokenizer json", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(_bad_tokenizer(t))], DATA, "tokenizer.json"),
     C("tokenizer dir empty", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(t)], DATA, "tokenizer"),
-    C("tokenizer too big", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(_big_tokenizer(t))], DATA, "vocab"),
+    C("tokenizer too big", lambda t, w: ["generate", str(w.run), "--prompt", "a", "--tokenizer", str(_big_tokenizer(t))], DATA, "has 321 tokens, more than the model's vocabulary of 320"),
     # Hugging Face directories
     C("hf no config", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "no config")), str(t / "o")], DATA, "config.json"),
     C("hf config json", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "config json")), str(t / "o")], DATA, "config.json"),
     C("hf model type", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "model type")), str(t / "o")], DATA, "gpt2"),
-    C("hf heads", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "heads")), str(t / "o")], DATA, "heads"),
+    C("hf heads", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "heads")), str(t / "o")], DATA, "num_key_value_heads is 3; expected a divisor of num_attention_heads=4"),
     C("hf truncated weights", lambda t, w: ["import", "hf", str(_broken_hf(t, w, "truncated weights")), str(t / "o")], DATA, "safetensors"),
     C("hf no weights", lambda t, w: ["generate", str(_broken_hf(t, w, "no weights")), "--prompt", "a"], RUNDIR, "safetensors"),
-    C("import into existing", lambda t, w: ["import", "hf", str(w.hf), str(_copy(w.shards, t / "o"))], FS, "exists"),
+    C("import into existing", lambda t, w: ["import", "hf", str(w.hf), str(_copy(w.shards, t / "o"))], FS, "already exists; choose another output directory"),
     # checkpoints and run directories
-    C("not a model dir", lambda t, w: ["export", "hf", str(t), str(t / "o")], RUNDIR, "config"),
+    C("not a model dir", lambda t, w: ["export", "hf", str(t), str(t / "o")], RUNDIR, "has neither config.yaml nor config.json + *.safetensors"),
     C("no checkpoints", lambda t, w: ["generate", str(_no_checkpoints(t, w)), "--prompt", "a"], RUNDIR, "checkpoint"),
     C("resume another model", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), "--resume", f"data.train_tokens={w.shards}", "model.vocab_size=320", "model.hidden_size=32"], RUNDIR, "hidden_size"),
     C("run dir exists", lambda t, w: ["train", "tiny", "--run-dir", str(_copy(w.run, t / "run")), f"data.train_tokens={w.shards}", "model.vocab_size=320"], RUNDIR, "already holds a run"),
@@ -293,7 +294,7 @@ CASES = [
     C("shard flipped", lambda t, w: _train(t, f"data.train_tokens={_corrupt_shards(t, w)}", "model.vocab_size=320"), DATA, "shard-00000"),
     # preference pairs and QLoRA
     C("pairs not json", lambda t, w: _pairs_cfg(t, w, "hello\n"), DATA, "pairs.jsonl line 1"),
-    C("pairs no rejected", lambda t, w: _pairs_cfg(t, w, '{"prompt": "say a", "chosen": "A"}\n'), DATA, "rejected"),
+    C("pairs no rejected", lambda t, w: _pairs_cfg(t, w, '{"prompt": "say a", "chosen": "A"}\n'), DATA, "line 1: missing 'rejected'"),
     C("pairs all identical", lambda t, w: _pairs_cfg(t, w, '{"prompt": "say a", "chosen": "a", "rejected": "a"}\n'), DATA, "identical"),
     C("pairs without a loss", lambda t, w: [a for a in _pairs_cfg(t, w, _PAIR) if not a.startswith("train.preference")], CONFIG, "train.preference"),
     C("pairs with document masking", lambda t, w: _pairs_cfg(t, w, _PAIR, "data.document_masking=true"), CONFIG, "document_masking"),
@@ -302,7 +303,7 @@ CASES = [
     C("quantize_base without lora", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={train_last_layers: 1, quantize_base: nf4}"), CONFIG, "lora"),
     C("nf4 block does not divide", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={lora: {rank: 4}, quantize_base: nf4, quant_block: 48}"), CONFIG, "quant_block"),
     # chat JSONL
-    C("chat role", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "bot", "content": "x"}]}\n'), DATA, "role"),
+    C("chat role", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "bot", "content": "x"}]}\n'), DATA, "has role 'bot'; expected one of system, user, assistant"),
     C("chat not json", lambda t, w: _chat_cfg(t, w, "hello\n"), DATA, "chats.jsonl"),
     C("chat empty", lambda t, w: _chat_cfg(t, w, ""), DATA, "chats.jsonl"),
     C("chat no assistant", lambda t, w: _chat_cfg(t, w, '{"messages": [{"role": "user", "content": "x"}]}\n'), DATA, "assistant"),
@@ -310,7 +311,7 @@ CASES = [
     # pipeline YAML
     C("pipeline kind", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: nosuch}\n")], CONFIG, "nosuch"),
     C("pipeline reference", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: '@nope'}}\n")], CONFIG, "nope"),
-    C("pipeline duplicate", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: stdlib}\n  - {name: a, kind: stdlib}\n")], CONFIG, "a"),
+    C("pipeline duplicate", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: stdlib}\n  - {name: a, kind: stdlib}\n")], CONFIG, "step names must be unique; repeated: a"),
     C("pipeline cycle", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: '@b'}}\n  - {name: b, kind: filter, inputs: {documents: '@a'}}\n")], CONFIG, "cycle"),
     C("pipeline step config", lambda t, w: ["run", _pipeline(t, w, "  - {name: a, kind: filter, inputs: {documents: x}, config: {profil: prose}}\n")], CONFIG, "profil"),
     C("pipeline missing", lambda t, w: ["run", str(t / "none.yaml")], CONFIG, "none.yaml"),
@@ -324,7 +325,7 @@ CASES = [
     C("serve body limit", lambda t, w: ["serve", str(w.run), "--max-body-mb", "0"], CONFIG, "--max-body-mb"),
     C("stablehlo batch", lambda t, w: ["export", "stablehlo", str(w.run), str(t / "o"), "--batch", "0"], CONFIG, "--batch"),
     C("stablehlo platform", lambda t, w: ["export", "stablehlo", str(w.run), str(t / "o"), "--platforms", "gpu9"], CONFIG, "gpu9"),
-    C("export into existing", lambda t, w: ["export", "hf", str(w.run), str(_copy(w.shards, t / "o"))], FS, "exists"),
+    C("export into existing", lambda t, w: ["export", "hf", str(w.run), str(_copy(w.shards, t / "o"))], FS, "already exists; choose another output directory"),
     C("plan device", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--device", "tpu-v9"], CONFIG, "tpu-v9"),
     C("plan mfu", lambda t, w: ["plan", "tiny", "--mesh", "fsdp=1", "--mfu", "2"], CONFIG, "--mfu"),
     C("eval sequences", lambda t, w: ["eval", str(w.run), "--tokens", f"v={w.shards}", "--max-sequences", "0"], CONFIG, "--max-sequences"),
@@ -422,12 +423,28 @@ def _partial_dedup(t: Path, w: World) -> Path:
 
 
 def _snapshot(*roots: Path) -> dict[str, str]:
-    """Every file under `roots` with its sha256, and every directory (so a new empty one shows)."""
+    """Every file under `roots` with its sha256, and every directory (so a new empty one shows); the
+    user's cache directory (fetched copies of bucket data) and the in-memory store (memory:// URLs)
+    too. Left out there: JAX's compilation cache, and the sha256 verdicts of files a command read
+    before it failed (facts about files that did not change, which the next command reuses)."""
+    import fsspec
+
     seen = {}
-    for root in roots:
+    cache = Path(os.environ["XDG_CACHE_HOME"])
+    for root in (*roots, cache):
         for p in sorted(root.rglob("*")):
+            if root == cache and _not_an_output(p.relative_to(cache).parts):
+                continue
             seen[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    store = fsspec.filesystem("memory").store
+    seen.update({f"memory://{k}": hashlib.sha256(bytes(v.getbuffer())).hexdigest() for k, v in store.items()})
     return seen
+
+
+def _not_an_output(parts: tuple[str, ...]) -> bool:
+    """Cache entries `_snapshot` leaves out: JAX's compilation cache, the hash verdicts, and the
+    directory holding those."""
+    return parts[:1] == ("xla",) or parts[:2] == ("shipyard", "sha256") or parts == ("shipyard",)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -447,4 +464,4 @@ def test_bad_input_gives_one_line_and_changes_nothing(case, world, tmp_path, cap
 
 
 def test_the_corpus_covers_every_kind_of_input():
-    assert len(CASES) >= 45 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) >= 128 and len({c.id for c in CASES}) == len(CASES)  # README: 128
