@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -87,12 +88,13 @@ def aws_env(endpoint: str) -> dict[str, str]:
 
 class FaultProxy:
     """A TCP proxy to `port`: every `drop_every`-th connection is closed as soon as the
-    client has sent its first bytes (a reset mid-request); `outage(seconds)` refuses new
-    connections and cuts open ones for that long."""
+    client has sent its first bytes (a reset mid-request); every `truncate_every`-th one passes
+    its first response's headers and half its body, then closes (a body cut short);
+    `outage(seconds)` refuses new connections and cuts open ones for that long."""
 
-    def __init__(self, port: int, drop_every: int = 0):
-        self.upstream, self.drop_every = port, drop_every
-        self.connections = self.dropped = 0
+    def __init__(self, port: int, drop_every: int = 0, truncate_every: int = 0):
+        self.upstream, self.drop_every, self.truncate_every = port, drop_every, truncate_every
+        self.connections = self.dropped = self.truncated = 0
         self.bytes_down = 0  # bytes the server sent its clients through this proxy (bodies and headers)
         self._down_until = 0.0
         self._open: set[socket.socket] = set()
@@ -122,9 +124,10 @@ class FaultProxy:
                 _close(client)
                 continue
             drop = self.drop_every and n % self.drop_every == 0
-            threading.Thread(target=self._serve, args=(client, drop), daemon=True).start()
+            cut = self.truncate_every and n % self.truncate_every == 0
+            threading.Thread(target=self._serve, args=(client, drop, cut), daemon=True).start()
 
-    def _serve(self, client: socket.socket, drop: bool) -> None:
+    def _serve(self, client: socket.socket, drop: bool, cut: bool = False) -> None:
         if drop:
             with contextlib.suppress(OSError):
                 client.recv(1)  # the client has started its request
@@ -142,10 +145,34 @@ class FaultProxy:
             self._open |= {client, server}
         a = threading.Thread(target=_pipe, args=(client, server), daemon=True)
         a.start()
-        _pipe(server, client, self._count_down)
+        if cut:
+            self._cut(server, client)
+        else:
+            _pipe(server, client, self._count_down)
         a.join()
         with self._lock:
             self._open -= {client, server}
+
+    def _cut(self, server: socket.socket, client: socket.socket) -> None:
+        """Pass the first response's headers and half its body (by its Content-Length), then close."""
+        got = b""
+        try:
+            while b"\r\n\r\n" not in got and (data := server.recv(65536)):
+                got += data
+            head, _, body = got.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+            want = int(length[1]) // 2 if length else 0
+            while len(body) < want and (data := server.recv(65536)):
+                body += data
+            client.sendall(head + b"\r\n\r\n" + body[:want])
+            if want:
+                with self._lock:
+                    self.truncated += 1
+        except OSError:
+            pass
+        finally:
+            _close(client)
+            _close(server)
 
     def _count_down(self, n: int) -> None:
         with self._lock:

@@ -89,6 +89,40 @@ def test_every_third_connection_dropped_is_ridden_out(s3_server, bucket, monkeyp
     proxy.close()
 
 
+def test_response_bodies_cut_short_are_read_again(s3_server, bucket, monkeypatch):
+    """Every second connection's response stops halfway through its body: ranged reads still get
+    exactly their bytes (the client notices the short body, shipyard retries)."""
+    data = bytes(range(256)) * 512
+    url = f"{bucket}/cut/obj"
+    storage.write_bytes(url, data)
+    proxy = FaultProxy(s3_server.port, truncate_every=2)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # no botocore retries: shipyard's backoff does it all
+    reader = storage.RangeReader(url, Retry(attempts=8, first_delay=0.01))
+    for start, end in [(0, 40_000), (1_000, 131_072), (77, 78), (65_536, 100_000)]:
+        assert reader.read(start, end) == data[start:end]
+    assert proxy.truncated >= 2, "no body was cut: the test tested nothing"
+    proxy.close()
+
+
+def test_a_short_read_the_client_did_not_notice_is_read_again(monkeypatch):
+    """A store whose client hands back fewer bytes than asked without an error (the branch a
+    truncation the transport misses reaches): the range is read again, never returned short."""
+    url = "memory://shipyard-short/obj"
+    data = bytes(range(256)) * 8
+    storage.write_bytes(url, data)
+    reader = storage.RangeReader(url, Retry(attempts=3, first_delay=0.01))
+    fs, real, calls = storage.filesystem(url)[0], storage.filesystem(url)[0].cat_file, []
+
+    def short_once(path, start=None, end=None):
+        calls.append((start, end))
+        got = real(path, start=start, end=end)
+        return got[:-7] if len(calls) == 1 else got
+
+    monkeypatch.setattr(fs, "cat_file", short_once)
+    assert reader.read(10, 1_500) == data[10:1_500] and calls == [(10, 1_500)] * 2
+
+
 def test_an_outage_of_seconds_is_retried_with_backoff(s3_server, bucket, monkeypatch):
     proxy = FaultProxy(s3_server.port)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
