@@ -288,20 +288,29 @@ def _greedy(run: Path, pairs_file: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_dpo_learns_the_preferred_form(task, dpo_run):
+def test_dpo_learns_the_preferred_form(task, dpo_run, tmp_path):
     """From a model with no preference between the forms (held-out accuracy of its own log-probs
-    about 0.5, greedy replies about half uppercase), 60 DPO steps reach held-out preference accuracy
-    >= 0.9, and its greedy replies switch to the preferred uppercase form."""
+    about 0.5, greedy replies about half uppercase), 60 DPO steps reach held-out reward accuracy
+    >= 0.9 (DPO's metric: relative to the starting model), the trained model's own log-probs prefer
+    the chosen reply on >= 0.9 of the held-out pairs (the starting model's metric, measured again),
+    and its greedy replies switch to the preferred uppercase form."""
     ref = np.load(dpo_run / "reference_logps" / "validation.npy")
     start_accuracy = float(np.mean(ref[:, 0] > ref[:, 1]))  # the starting model prefers chosen (slot 0)
     assert ref.shape[0] == 96 and 0.3 <= start_accuracy <= 0.7, start_accuracy
     held = [r for r in logged_rows(dpo_run) if "val_pref_accuracy" in r]
     assert [r["step"] for r in held] == [29, 59]
     assert held[-1]["val_pref_accuracy"] >= 0.9 and held[-1]["val_loss"] < held[0]["val_loss"] < LN2, held
+    # the trained model's own preference: the reference log-probs a run starting from it computes
+    own = tmp_path / "own"
+    _run(own, *_task_args(task, f"train.init_from={dpo_run}", "train.steps=1", "train.eval_every=1000"))
+    mine = np.load(own / "reference_logps" / "validation.npy")
+    own_accuracy = float(np.mean(mine[:, 0] > mine[:, 1]))
     before, after = _greedy(task["sft_run"], task["held"]), _greedy(dpo_run, task["held"])
     print(
-        f"start accuracy {start_accuracy:.2f}, held-out {held[-1]['val_pref_accuracy']:.2f}; {before} -> {after}"
+        f"own preference {start_accuracy:.2f} -> {own_accuracy:.2f}, reward accuracy "
+        f"{held[-1]['val_pref_accuracy']:.2f}; {before} -> {after}"
     )
+    assert own_accuracy >= 0.9, own_accuracy
     assert 0.2 <= before["upper"] <= 0.8 and after["upper"] >= 0.9, (before, after)
     assert after["exact"] > before["exact"], (before, after)
 
