@@ -25,13 +25,6 @@ os.environ["XLA_FLAGS"] = (
 from shipyard import cpu_tuning  # noqa: E402
 
 cpu_tuning.apply_xla_flags()
-# The suite's programs are small and each runs a few times, so on CPU compiling them is most of its
-# time; LLVM's optimisation of XLA's fused elementwise kernels costs more than it saves there (dots
-# and convolutions are library kernels either way; memory analysis is HLO-level and unchanged).
-# Measured on the MoE expert-parallel and grad-accumulation tests: 78 -> 50 s. Tests only: what a
-# user runs keeps XLA's default level.
-if cpu_tuning.will_run_on_cpu() and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -68,12 +68,14 @@ def load_service(
     except DataError as e:
         missing = str(e)
     t0 = time.perf_counter()
-    _say(f"serve: loading {model}" + (f" (checkpoint {step})" if step is not None else ""))
-    cfg, step, params = model_dir.load(step, what="serve")
+    cfg, step, params = model_dir.load(step, what="serve")  # (a refusal here is the only line printed)
     params = maybe_quantize(params, cfg.model, quantize)
     weights = fingerprint(params)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    _say(f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded in {time.perf_counter() - t0:.1f} s")
+    where = f"{model}" + (f" checkpoint {step}" if step is not None else "")
+    _say(
+        f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded from {where} in {time.perf_counter() - t0:.1f} s"
+    )
     engine = Engine(
         params,
         cfg.model,
