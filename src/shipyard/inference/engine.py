@@ -431,9 +431,8 @@ class Engine:
         be called from a request's callback); both weight sets are in memory until then. An unstarted
         engine swaps at once.
         """
-        if (
-            wait and threading.current_thread() is self._thread
-        ):  # the loop that applies it would wait for itself
+        # from the engine thread, the loop that applies the swap would be waiting for itself
+        if wait and threading.current_thread() is self._thread:
             raise RuntimeError(
                 "swap(wait=True) from the engine thread (a request's callback) would never end"
             )

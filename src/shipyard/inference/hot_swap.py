@@ -110,9 +110,9 @@ class Swapper:
                 new = fingerprint(params)
                 if new != self.engine.fingerprint:
                     self.engine.swap(params, new)
-            except (ShipyardError, ValueError) as e:
+            except (ShipyardError, ValueError) as e:  # model_dir's errors already begin "swap: "
                 self.counts["refused"] += 1
-                raise SwapRefused(f"swap: {e}".replace("swap: swap: ", "swap: ")) from e
+                raise SwapRefused(str(e) if isinstance(e, ShipyardError) else f"swap: {e}") from e
             old, self.model, self.step = self.model, _key(model), step
             self.counts["ok"] += 1
             seconds = time.perf_counter() - t0
@@ -136,11 +136,13 @@ class Swapper:
         model_dir = open_model_dir(model, "swap", self.tokenizer)
         problem = _first_difference(self.engine.cfg, model_dir.config.model)
         if problem is not None:
-            raise SwapRefused(f"{model} is another model ({problem}); it cannot replace the served weights")
+            raise SwapRefused(
+                f"swap: {model} is another model ({problem}); it cannot replace the served weights"
+            )
         digest = tokenizer_digest(model_dir.require_tokenizer("swap"))
         if self.tokenizer_sha256 and digest != self.tokenizer_sha256:
             raise SwapRefused(
-                f"{model} speaks another tokenizer (its tokenizer.json differs from the served model's); "
+                f"swap: {model} speaks another tokenizer (its tokenizer.json differs from the served model's); "
                 "a swap keeps the tokenizer: start a new server for it"
             )
         cfg, step, params = model_dir.load(step, what="swap")
