@@ -160,6 +160,26 @@ def test_docstrings_are_checked_too(tmp_path):
     assert clean == [], clean
 
 
+def test_every_flag_of_every_command_is_in_cli_md(tmp_path):
+    """docs/cli.md names every flag of every command (the real CLI's --help, walked); a flag written
+    nowhere there is reported by command and flag."""
+    mod = _checker_module()
+    cli_md = ROOT / "docs" / "cli.md"
+    checker = mod.Checker(ROOT)
+    checker.check_file(cli_md, "docs/cli.md")
+    assert mod.undocumented_flags(checker, cli_md, "docs/cli.md") == []
+    text = cli_md.read_text()
+    assert text.count("--fixed-shape") >= 2 and "--watch-every" in text
+    copy = tmp_path / "cli.md"
+    copy.write_text(text.replace(" [--fixed-shape]", "").replace("`--fixed-shape` decodes", "it decodes"))
+    checker = mod.Checker(ROOT)
+    checker.check_file(copy, "docs/cli.md")
+    found = [str(p) for p in mod.undocumented_flags(checker, copy, "docs/cli.md")]
+    assert found == [
+        "docs/cli.md:1: `shipyard serve --fixed-shape`: a flag of the command that docs/cli.md does not name"
+    ]
+
+
 def test_help_parsing_handles_wrapped_usage_and_choices():
     spec = importlib.util.spec_from_file_location("check_docs", CHECKER)
     mod = importlib.util.module_from_spec(spec)

@@ -47,6 +47,8 @@ CONFIGS = {
     "dpo-label-smoothing": PreferenceConfig(loss="dpo", beta=0.25, label_smoothing=0.2),
     "simpo": PreferenceConfig(loss="simpo", beta=2.0, gamma=0.5),
     "simpo-label-smoothing": PreferenceConfig(loss="simpo", beta=2.5, gamma=0.3, label_smoothing=0.1),
+    "orpo": PreferenceConfig(loss="orpo", beta=0.1),
+    "orpo-strong": PreferenceConfig(loss="orpo", beta=1.5),
 }
 
 
@@ -135,8 +137,16 @@ def _torch_loss(cfg: PreferenceConfig, pi_w, pi_l, ref_w, ref_l, len_w, len_l):
     with conservative DPO's label smoothing eps: -(1 - eps) log sigma(h) - eps log sigma(-h).
     SimPO (Meng et al., 2024, eq. 6): -log sigma(beta/|yw| log pi(yw|x) - beta/|yl| log pi(yl|x) - gamma),
     smoothed the same way.
+    ORPO (Hong et al., 2024, eqs. 2-7): P(y|x) = exp(1/|y| log pi(y|x)), odds(y|x) = P / (1 - P),
+    L = -1/|yw| log pi(yw|x) - lambda log sigma(log(odds(yw|x) / odds(yl|x))), lambda = beta; rewards
+    beta/|y| log pi(y|x) (TRL's convention).
     """
     beta, eps = cfg.beta, cfg.label_smoothing
+    if cfg.loss == "orpo":
+        p_w, p_l = torch.exp(pi_w / len_w), torch.exp(pi_l / len_l)
+        odds_w, odds_l = p_w / (1 - p_w), p_l / (1 - p_l)
+        losses = -pi_w / len_w - beta * F.logsigmoid(torch.log(odds_w / odds_l))
+        return losses.mean(), beta / len_w * pi_w, beta / len_l * pi_l
     if cfg.loss == "dpo":
         chosen_reward = beta * (pi_w - ref_w)  # beta log pi(yw|x) / ref(yw|x)
         rejected_reward = beta * (pi_l - ref_l)

@@ -1,6 +1,6 @@
-"""`shipyard train` with preference pairs (DPO / SimPO): reference log-probs cached or on the fly,
+"""`shipyard train` with preference pairs (DPO / SimPO / ORPO): reference log-probs cached or on the fly,
 microbatches, the start-up summary and run header, resume with the reference cache, LoRA, and the
-end-to-end learning test (a word-writing model learns to prefer uppercase)."""
+end-to-end learning tests (a word-writing model learns to prefer uppercase, with DPO and with ORPO)."""
 
 import json
 import random
@@ -313,6 +313,22 @@ def test_dpo_learns_the_preferred_form(task, dpo_run, tmp_path):
     assert own_accuracy >= 0.9, own_accuracy
     assert 0.2 <= before["upper"] <= 0.8 and after["upper"] >= 0.9, (before, after)
     assert after["exact"] > before["exact"], (before, after)
+
+
+@pytest.mark.slow
+def test_orpo_learns_the_preferred_form_without_a_reference(task, tmp_path):
+    """ORPO from the same starting model: no reference is cached or run; its reward is beta times the
+    mean token log-prob, so its held-out accuracy is the model's own preference, which reaches >= 0.9;
+    the held-out loss falls and the greedy replies switch to the preferred uppercase form."""
+    run = tmp_path / "orpo"
+    out = _run(run, *_task_args(task, "train.preference={loss: orpo, beta: 0.5}"))
+    assert not (run / "reference_logps").exists() and "reference log-probs" not in out, out
+    held = [r for r in logged_rows(run) if "val_pref_accuracy" in r]
+    assert [r["step"] for r in held] == [29, 59]
+    assert held[-1]["val_pref_accuracy"] >= 0.9 and held[-1]["val_loss"] < held[0]["val_loss"], held
+    before, after = _greedy(task["sft_run"], task["held"]), _greedy(run, task["held"])
+    print(f"orpo: reward accuracy {held[-1]['val_pref_accuracy']:.2f}; {before} -> {after}")
+    assert 0.2 <= before["upper"] <= 0.8 and after["upper"] >= 0.9, (before, after)
 
 
 @pytest.mark.slow

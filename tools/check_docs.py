@@ -585,6 +585,7 @@ class Checker:
     def __init__(self, root: Path):
         self.root = root
         self.cli = CLI(root)
+        self.documented: dict[tuple[str, ...], set[str]] = {}  # flags written after each command path
         self.code = Code(root / "src")
         self.schema = Schema(root / "src")
         self.makefile = root / "Makefile"
@@ -641,6 +642,7 @@ class Checker:
         mentioned.update(paths)
         for ps, f in flags:
             for p in ps:
+                self.documented.setdefault(p, set()).add(f)
                 h = self.cli.help(p)
                 if h is not None and not h.subcommands and f not in h.flags and f != "--help":
                     if f in (self.cli.help(()) or Help([], set(), False)).flags:
@@ -905,6 +907,29 @@ def _external(root: str) -> bool:
         return False
 
 
+def undocumented_flags(checker: Checker, cli_md: Path, display: str) -> list[Problem]:
+    """Every flag of every command must be in docs/cli.md: written after its command in an invocation
+    (`shipyard serve ... --fixed-shape`), or as a span on a line that names the command. Run after
+    `check_file(cli_md)`, which records the invocations."""
+    lines = cli_md.read_text().splitlines()
+    global_flags = (checker.cli.help(()) or Help([], set(), False)).flags
+    probs = []
+    for path in checker.cli.tree(()):
+        h = checker.cli.help(path)
+        if not path or h is None:  # a group's own flags count too (`plan` is a command and a group)
+            continue
+        name = "shipyard " + " ".join(path)
+        seen = checker.documented.get(path, set())
+        on_its_lines = {
+            f for line in lines if name + " " in line or line.endswith(name) for f in FLAG.findall(line)
+        }
+        for f in sorted(h.flags - global_flags - {"--help"} - seen - on_its_lines):
+            probs.append(
+                Problem(display, 1, f"{name} {f}", "a flag of the command that docs/cli.md does not name")
+            )
+    return probs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/*.md)")
@@ -923,7 +948,10 @@ def main(argv: list[str] | None = None) -> int:
             display = str(f.resolve().relative_to(root))
         except ValueError:
             display = str(f)
+        checker.documented = {}  # what docs/cli.md itself writes after each command
         problems.extend(checker.check_file(f, display))
+        if display == "docs/cli.md" and not args.files:
+            problems.extend(undocumented_flags(checker, f, display))
     for p in problems:
         print(p)
     sys.stdout.flush()

@@ -201,7 +201,7 @@ class ChatDataConfig(Schema):
 
 
 class PreferenceDataConfig(Schema):
-    """Preference pairs for DPO / SimPO: a prompt, a preferred and a dispreferred reply, rendered with a chat template."""
+    """Preference pairs for DPO / SimPO / ORPO: a prompt, a preferred and a dispreferred reply, rendered with a chat template."""
 
     train: str
     """JSONL file, one pair per line: {"prompt": "..." | "messages": [...], "chosen": "...", "rejected": "..."} (messages end with a user turn; replies are the assistant's next turn)."""
@@ -237,7 +237,7 @@ class DataConfig(Schema):
     chat: ChatDataConfig | None = None
     """Chat conversations (SFT) instead of token shards: loss on assistant tokens only; set train_tokens and mixture to null."""
     preference: PreferenceDataConfig | None = None
-    """Preference pairs (DPO / SimPO, with train.preference) instead of token shards or chats; set train_tokens and mixture to null."""
+    """Preference pairs (DPO / SimPO / ORPO, with train.preference) instead of token shards or chats; set train_tokens and mixture to null."""
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:
@@ -375,18 +375,27 @@ class LoraConfig(Schema):
 
 
 class PreferenceConfig(Schema):
-    """Preference tuning on data.preference pairs: DPO against a frozen reference, or reference-free SimPO."""
+    """Preference tuning on data.preference pairs: DPO against a frozen reference, or reference-free SimPO or ORPO."""
 
-    loss: Literal["dpo", "simpo"] = "dpo"
-    """dpo: -log sigmoid(beta [(pi_c - ref_c) - (pi_r - ref_r)]) on summed reply log-probs (Rafailov et al., 2023); simpo: -log sigmoid(beta (pi_c / |c| - pi_r / |r|) - gamma) on length-normalised log-probs, no reference (Meng et al., 2024)."""
+    loss: Literal["dpo", "simpo", "orpo"] = "dpo"
+    """dpo: -log sigmoid(beta [(pi_c - ref_c) - (pi_r - ref_r)]) on summed reply log-probs (Rafailov et al., 2023); simpo: -log sigmoid(beta (pi_c / |c| - pi_r / |r|) - gamma) on length-normalised log-probs, no reference (Meng et al., 2024); orpo: the chosen reply's per-token NLL - beta log sigmoid(log odds_c - log odds_r), odds of the mean token probability, no reference (Hong et al., 2024)."""
     beta: float = Field(0.1, gt=0)
-    """Inverse temperature of the implicit reward (DPO: 0.1 typical; SimPO: 2.0 typical)."""
+    """Inverse temperature of the implicit reward (DPO: 0.1 typical; SimPO: 2.0 typical); ORPO: the weight lambda of its odds-ratio term (0.1 typical)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """Conservative DPO: the assumed probability that a pair's labels are flipped (0 is plain DPO)."""
+    """Conservative DPO (and SimPO): the assumed probability that a pair's labels are flipped (0 is the plain loss); ORPO has none."""
     gamma: float = Field(0.5, ge=0)
-    """SimPO's target reward margin (ignored by dpo)."""
+    """SimPO's target reward margin (ignored by dpo and orpo)."""
     reference: Literal["cached", "on_the_fly"] = "cached"
     """dpo: cached computes the reference log-probs of every pair once before step 0 and stores them in the run directory (reused on resume); on_the_fly runs the frozen reference forward in every step."""
+
+    @model_validator(mode="after")
+    def _check_smoothing(self) -> PreferenceConfig:
+        if self.loss == "orpo" and self.label_smoothing:
+            raise ValueError(
+                f"label_smoothing: {self.label_smoothing} does not apply to orpo (its loss has no flipped-label "
+                "term); set it to 0 or use loss: dpo / simpo"
+            )
+        return self
 
 
 class FinetuneConfig(Schema):
@@ -474,7 +483,7 @@ class TrainConfig(Schema):
     finetune: FinetuneConfig | None = None
     """Parameter-efficient fine-tuning (LoRA, or only the last layers); null trains every parameter."""
     preference: PreferenceConfig | None = None
-    """Preference tuning (DPO / SimPO) on data.preference instead of next-token loss; null: next-token training."""
+    """Preference tuning (DPO / SimPO / ORPO) on data.preference instead of next-token loss; null: next-token training."""
     resize_vocab: bool = False
     """With train.init_from and a different tokenizer or model.vocab_size: resize the base's embedding (and untied head) to model.vocab_size, copying bitwise the rows of tokens whose strings both tokenizers hold and starting the others (new tokens, padding) at the mean of the base's token rows. Full fine-tuning only (train.finetune: null). Without it a vocabulary mismatch is refused."""
     eval_every: int | None = Field(None, gt=0)
@@ -640,7 +649,9 @@ def read_yaml(text: str, where: str) -> dict:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         pos = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{where}: not valid YAML{pos}: {getattr(e, 'problem', e)}") from e
+        # a reader error (a control character) has no `problem` and a multi-line str: fold it to one line
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{where}: not valid YAML{pos}: {what}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -148,7 +148,12 @@ def add_sampling_flags(
     when neither it nor the model's generation_config.json gives one."""
     temperature, top_k, top_p = defaults
     model = "default: the model's generation_config.json, else "
-    p.add_argument("--max-new-tokens", type=whole_number(1), default=default_max_new)
+    p.add_argument(
+        "--max-new-tokens",
+        type=whole_number(1),
+        default=default_max_new,
+        help=f"tokens to generate at most per reply (default {default_max_new}; a stop or eos ends it sooner)",
+    )
     p.add_argument(
         "--temperature",
         type=_checked(float, _sampling_rule("check_temperature"), "a number"),

@@ -48,6 +48,7 @@ from shipyard import __version__, storage
 from shipyard.data import resume
 from shipyard.data.cluster import RayCluster, ray_map
 from shipyard.data.documents import (
+    FILE_SUFFIXES,
     Document,
     ReadStats,
     Unit,
@@ -468,7 +469,10 @@ def plan(inputs: list[str]) -> list[Unit]:
     units = plan_units(inputs)  # lists each input once (a bucket prefix: one listing, no HEAD per object)
     if not units:
         shown = ", ".join(storage.redact(i) for i in inputs)
-        raise DataError(f"inputs {shown}: no readable document files found")
+        raise DataError(
+            f"inputs {shown}: no readable document files found (expected files named "
+            f"*{', *'.join(FILE_SUFFIXES)}; other files in a directory are skipped)"
+        )
     return units
 
 

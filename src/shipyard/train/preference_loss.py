@@ -1,4 +1,5 @@
-"""Preference losses on summed reply log-probs: DPO (Rafailov et al., 2023) and SimPO (Meng et al., 2024).
+"""Preference losses on summed reply log-probs: DPO (Rafailov et al., 2023), SimPO (Meng et al., 2024)
+and ORPO (Hong et al., 2024).
 
 A packed row holds P pairs; reply slot 2k is the chosen reply of its k-th
 pair, 2k+1 the rejected one (data/preference.py). `reply_logps` sums the
@@ -16,6 +17,14 @@ SimPO has no reference; with length-normalised log-probs,
 z = beta (pi_c / |c| - pi_r / |r|) - gamma, the same smoothed loss, and
 rewards beta pi / |y|. The margin reported is chosen reward - rejected
 reward (gamma not subtracted).
+
+ORPO has no reference either: with the mean token log-prob m = pi / |y| of a
+reply (log P of the paper's length-normalised likelihood P), its log-odds are
+m - log(1 - e^m) and
+    loss = -m_c - beta log sigmoid(log odds_c - log odds_r)
+(the chosen reply's per-token NLL plus beta times the odds-ratio term, eq. 6 of
+the paper; beta is its lambda). Rewards beta m, as TRL reports them. Label
+smoothing does not apply (config refuses it).
 """
 
 from __future__ import annotations
@@ -75,21 +84,37 @@ class PreferenceSums:
     pairs: jax.Array
 
 
-def _rewards(policy, reference, counts, cfg: PreferenceConfig):
-    """(chosen rewards, rejected rewards, z) [B, P] of the configured loss."""
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """log(1 - e^x) for x < 0, accurate near 0 (expm1) and far below it (log1p): Maechler (2012)."""
+    return jnp.where(x > -0.6931471805599453, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def _pair_losses(policy, reference, counts, cfg: PreferenceConfig):
+    """(chosen rewards, rejected rewards, loss) [B, P] of the configured loss."""
     pc, pr = policy[:, 0::2], policy[:, 1::2]
+    ls = cfg.label_smoothing
+
+    def smoothed(z):
+        return -(1.0 - ls) * jax.nn.log_sigmoid(z) - ls * jax.nn.log_sigmoid(-z)
+
     if cfg.loss == "dpo":
         if reference is None:
             raise ValueError("train.preference.loss=dpo needs the reference log-probs")
         reference = jax.lax.stop_gradient(reference)  # the reference model is frozen
         chosen = cfg.beta * (pc - reference[:, 0::2])
         rejected = cfg.beta * (pr - reference[:, 1::2])
-        return chosen, rejected, chosen - rejected
+        return chosen, rejected, smoothed(chosen - rejected)
+    # an empty slot (no k-th pair in the row) has count 0: divide by 1 there, it is masked out later
+    nc, nr = jnp.maximum(counts[:, 0::2], 1.0), jnp.maximum(counts[:, 1::2], 1.0)
     if cfg.loss == "simpo":
-        # an empty slot (no k-th pair in the row) has count 0: divide by 1 there, it is masked out later
-        chosen = cfg.beta * pc / jnp.maximum(counts[:, 0::2], 1.0)
-        rejected = cfg.beta * pr / jnp.maximum(counts[:, 1::2], 1.0)
-        return chosen, rejected, chosen - rejected - cfg.gamma
+        chosen, rejected = cfg.beta * pc / nc, cfg.beta * pr / nr
+        return chosen, rejected, smoothed(chosen - rejected - cfg.gamma)
+    if cfg.loss == "orpo":
+        # An empty slot's mean is 0, where log(1 - e^0) = -inf and its gradient NaN even under the
+        # mask (0 * NaN): clamp just below 0, which only a reply of probability 1 in fp32 also reaches.
+        mc, mr = jnp.minimum(pc / nc, -1e-6), jnp.minimum(pr / nr, -1e-6)
+        log_odds = (mc - _log1mexp(mc)) - (mr - _log1mexp(mr))
+        return cfg.beta * mc, cfg.beta * mr, -mc - cfg.beta * jax.nn.log_sigmoid(log_odds)
     raise ValueError(f"train.preference.loss: unknown loss {cfg.loss!r}")
 
 
@@ -104,9 +129,7 @@ def preference_sums(
     odd rejected; counts [B, 2P] reply tokens; pair_mask [B, P] 1 where the row has a k-th pair."""
     policy = policy.astype(jnp.float32)
     m = pair_mask.astype(jnp.float32)
-    chosen, rejected, z = _rewards(policy, reference, counts.astype(jnp.float32), cfg)
-    ls = cfg.label_smoothing
-    per_pair = -(1.0 - ls) * jax.nn.log_sigmoid(z) - ls * jax.nn.log_sigmoid(-z)
+    chosen, rejected, per_pair = _pair_losses(policy, reference, counts.astype(jnp.float32), cfg)
 
     def total(x):
         return jnp.sum(jnp.where(m > 0, x, 0.0))

@@ -275,13 +275,13 @@ class GradientFn:
 
 @dataclass(frozen=True, eq=False)
 class PreferenceGradientFn(GradientFn):
-    """GradientFn of the preference loss (train.preference: DPO / SimPO) on packed pairs.
+    """GradientFn of the preference loss (train.preference: DPO / SimPO / ORPO) on packed pairs.
 
     `gradients(params, frozen, batch, loss_scale, key, reference=None)`: the loss is the sum over the
     batch's pairs divided by the whole batch's pair count, so microbatches add up exactly as tokens
     do for next-token loss. The reference log-probs come from the batch (`ref_logps`, reference:
     cached) or from a forward of `reference` (the starting trainable tree, in the compute dtype)
-    with the frozen params under stop_gradient (reference: on_the_fly); SimPO uses none. The
+    with the frozen params under stop_gradient (reference: on_the_fly); SimPO and ORPO use none. The
     frozen and reference trees travel through the microbatch machinery as one `context` pair.
     """
 
@@ -307,9 +307,9 @@ class PreferenceGradientFn(GradientFn):
         return logps, counts, stats
 
     def reference_logps(self, frozen, reference, mb):
-        """The reference model's reply log-probs [B, 2P] for `mb` (None for SimPO)."""
+        """The reference model's reply log-probs [B, 2P] for `mb` (None for SimPO and ORPO)."""
         pref = self.cfg.train.preference
-        if pref.loss == "simpo":
+        if pref.loss != "dpo":
             return None
         if pref.reference == "cached":
             return mb["ref_logps"]
