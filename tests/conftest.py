@@ -13,7 +13,8 @@ os.environ["XDG_CACHE_HOME"] = os.environ["SHIPYARD_TEST_CACHE"]
 # Compiled programs are shared by the whole session, the CLI subprocesses included (they inherit the
 # environment): most tests train, serve or export the same `tiny` model, and on CPU compiling it
 # costs more than running it. XLA flags and devices are part of the cache key, so a test with
-# other flags compiles its own. One directory per session: nothing carries over between runs.
+# other flags compiles its own. One directory per session unless SHIPYARD_TEST_CACHE names one
+# (.ci/run shares one between the default and the slow tier of the same checkout).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 

@@ -71,6 +71,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -252,6 +253,7 @@ CASES = [
     C("missing input object", lambda t, w: ["data", "filter", "memory://shipyard-bad/none.jsonl", "--out", str(t / "o")], DATA, "none.jsonl: no such object or prefix"),
     C("unpublished input prefix", lambda t, w: ["data", "dedup", _half_published(), "--out", str(t / "o")], DATA, "not a complete stage output (no _success)"),
     C("no tokenizer", lambda t, w: ["data", "tokenize", str(w.docs), "--tokenizer", str(t), "--out", str(t / "o")], DATA, "tokenizer"),
+    C("folder of source files", lambda t, w: ["data", "filter", str(_write(t / "code" / "a.py", "x = 1\n").parent), "--out", str(t / "o")], DATA, "no readable document files found (expected files named *.jsonl, *.jsonl.gz"),
     C("missing tokens", lambda t, w: _train(t, f"data.train_tokens={t / 'none'}"), DATA, "none does not exist (expected a 1-D .npy of token ids)"),
     C("float tokens", lambda t, w: _train(t, f"data.train_tokens={_npy(t, np.zeros(4096, np.float32))}"), DATA, "t.npy"),
     C("tokens scheme", lambda t, w: _train(t, "data.train_tokens=htp://b/shards", "model.vocab_size=320"), DATA, "data: htp://b/shards has scheme 'htp'"),
@@ -299,6 +301,7 @@ CASES = [
     C("pairs without a loss", lambda t, w: [a for a in _pairs_cfg(t, w, _PAIR) if not a.startswith("train.preference")], CONFIG, "train.preference"),
     C("pairs with document masking", lambda t, w: _pairs_cfg(t, w, _PAIR, "data.document_masking=true"), CONFIG, "document_masking"),
     C("simpo negative gamma", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.preference.loss=simpo", "train.preference.gamma=-1"), CONFIG, "gamma"),
+    C("orpo with label smoothing", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.preference.loss=orpo", "train.preference.label_smoothing=0.1"), CONFIG, "label_smoothing: 0.1 does not apply to orpo"),
     C("pairs with offloaded params", lambda t, w: _pairs_cfg(t, w, _PAIR, "train.offload.params=true"), CONFIG, "train.offload.params"),
     C("quantize_base without lora", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={train_last_layers: 1, quantize_base: nf4}"), CONFIG, "lora"),
     C("nf4 block does not divide", lambda t, w: _train(t, f"data.train_tokens={w.shards}", "model.vocab_size=320", "train.finetune={lora: {rank: 4}, quantize_base: nf4, quant_block: 48}"), CONFIG, "quant_block"),

@@ -152,7 +152,12 @@ def test_bad_pipelines_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_pipeline_beats_unigram_and_reproduces(tmp_path):
+def test_quickstart_pipeline_beats_unigram(tmp_path):
+    """The packaged quickstart, as `make quickstart` runs it: 600 steps reach 30% below the unigram
+    baseline. That the same chain rerun gives the same bytes is tested on the 30-step version
+    (tests/test_bucket_pipeline.py: every step's artifacts equal between two roots) and `reproduce`
+    on data chains (test_reproduce_from_and_into_a_bucket): rerunning 600 steps here would only
+    repeat them."""
     from importlib import resources
 
     pipeline = resources.files("shipyard").joinpath("pipelines", "quickstart.yaml")
@@ -163,7 +168,6 @@ def test_quickstart_pipeline_beats_unigram_and_reproduces(tmp_path):
     assert json.loads((by["sample"].out / "sample.json").read_text())["completion"]
     assert (by["export"].out / "model.safetensors").is_file()
     assert (by["report"].out / "plots" / "metrics.png").is_file()
-    assert main(["reproduce", str(by["eval"].out), "--root", str(tmp_path / "again")]) == 0
 
 
 @pytest.mark.slow
