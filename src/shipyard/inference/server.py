@@ -51,6 +51,7 @@ from shipyard.inference.openai_api import (
     TokenizeRequest,
     validation_message,
 )
+from shipyard.inference.openapi import openapi_document
 from shipyard.inference.sampling import API, Sampling, resolve_sampling
 from shipyard.inference.scoring import prompt_logprobs
 
@@ -330,6 +331,10 @@ def create_app(
             raise ApiError(str(e), status=409, code="swap_in_progress") from e
         except SwapRefused as e:
             raise ApiError(str(e), status=409, param="path", code="swap_refused") from e
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return openapi_document()
 
     @app.get("/metrics")
     async def metrics():
@@ -676,7 +681,7 @@ async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, 
 ROUTES = frozenset(
     {
         "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-        "/tokenizer_info", "/tokenize", "/detokenize", "/admin/weights", "/admin/swap",
+        "/tokenizer_info", "/tokenize", "/detokenize", "/admin/weights", "/admin/swap", "/openapi.json",
     }
 )  # fmt: skip
 """The routes /metrics counts responses of by name (any other path counts as "other")."""
