@@ -2,13 +2,18 @@
 /openapi.json (valid ones from every request schema, and invalid ones: wrong types, missing fields,
 out-of-range numbers, bodies that are not JSON objects) and sends them over real HTTP. No response
 may be a 5xx, every refusal carries OpenAI's error body, and afterwards the server is healthy with
-every slot free and exits cleanly on SIGTERM (`running_server` checks the exit code)."""
+every slot free and exits cleanly on SIGTERM (`running_server` checks the exit code). Then a server
+SIGKILLed mid-stream is started again and serves, loading its programs from the compile cache.
+(16 clients for minutes with dropped streams, and memory growth: bench/serve_load.py.)"""
 
 from __future__ import annotations
 
+import json
+import signal
+
 import httpx
 import pytest
-from serve_fixtures import running_server, swap_runs
+from serve_fixtures import ServerProcess, running_server, swap_runs
 
 from shipyard.inference.openapi import openapi_document
 
@@ -20,12 +25,19 @@ MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
-    run = swap_runs(d)["served"]
     # a short context keeps every valid request short (prompt + max_tokens must fit 48 slots)
-    flags = ("--max-batch", str(MAX_BATCH), "--max-len", "48", "--admin-key", ADMIN)
-    with running_server(run, d / "server.log", *flags, api_key=KEY) as s:
+    flags = ("--max-batch", str(MAX_BATCH), "--max-len", "48", "--compile-cache", str(d / "xla"))
+    return {"run": swap_runs(d)["served"], "dir": d, "flags": flags}
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    d = served["dir"]
+    with running_server(
+        served["run"], d / "server.log", *served["flags"], "--admin-key", ADMIN, api_key=KEY
+    ) as s:
         yield s
 
 
@@ -72,3 +84,36 @@ def test_generated_requests_get_no_server_error_and_openai_error_bodies(server, 
     health = server.health()
     assert health["status"] == "ok" and health["active"] == 0, health
     assert "request failed" not in server.log_text()  # the 500 handler's log line
+
+
+def test_a_server_killed_mid_stream_restarts_from_its_compile_cache(server, served, tmp_path, monkeypatch):
+    """SIGKILL while a reply streams; the same command again serves the same request from the
+    programs the first start cached: it compiles nothing (JAX logs cache hits and no miss, and the
+    cache directory is unchanged)."""
+    cache = served["dir"] / "xla"
+    assert any(cache.iterdir()) and "compiled programs cached in" in server.log_text()
+    first = ServerProcess(served["run"], *served["flags"], api_key=KEY, log=tmp_path / "first.log")
+    body = {"model": "served", "prompt": "Kabel", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    with httpx.stream(
+        "POST",
+        first.url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=first.headers(),
+        timeout=60,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                first.proc.send_signal(signal.SIGKILL)
+                break
+    assert first.stop() == -signal.SIGKILL
+    cached = sorted(p.name for p in cache.iterdir())
+    monkeypatch.setenv("JAX_DEBUG_LOG_MODULES", "jax._src.compiler")  # its cache hit / miss lines
+    again = ServerProcess(served["run"], *served["flags"], api_key=KEY, log=tmp_path / "again.log")
+    try:
+        r = httpx.post(again.url + "/v1/completions", json=body, headers=again.headers(), timeout=60)
+        assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 40
+        assert sorted(p.name for p in cache.iterdir()) == cached  # every program came from the cache
+        log = again.log_text()
+        assert "Persistent compilation cache hit" in log and "COMPILATION CACHE MISS" not in log, log[-3000:]
+    finally:
+        assert again.stop() == 0, again.log_text()

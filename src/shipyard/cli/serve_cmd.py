@@ -10,7 +10,7 @@ from shipyard.errors import ConfigError
 
 
 def _cmd_serve(args) -> int:
-    from shipyard.inference.service import load_service, serve
+    from shipyard.inference.service import enable_compile_cache, load_service, serve
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"serve: --port {args.port} is not a TCP port (0..65535)")
@@ -32,6 +32,7 @@ def _cmd_serve(args) -> int:
             raise ConfigError(
                 f"serve --watch: {watch} is not a run directory (it has no checkpoints to watch)"
             )
+    cache = enable_compile_cache(args.compile_cache)
     # the request log (one line per request); libraries below stay at warnings
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("shipyard.serve").setLevel(logging.INFO)
@@ -48,6 +49,12 @@ def _cmd_serve(args) -> int:
         tokens_per_call=args.tokens_per_call,
         fixed_shape=args.fixed_shape,
     )
+    if cache:
+        print(
+            f"serve: compiled programs cached in {cache} (a restart loads them instead of compiling; "
+            "--compile-cache off)",
+            file=sys.stderr,
+        )
     key = "required (Bearer)" if args.api_key else "none (anyone who can reach the port may use it)"
     swaps = "POST /admin/swap with --admin-key" if args.admin_key else "off (no --admin-key)"
     watching = f", watching {watch} every {args.watch_every:g} s" if watch else ""
@@ -118,6 +125,13 @@ def register(sub) -> None:
         "independent of other requests (default: calls sized to the busy rows, faster for few)",
     )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
+    sv.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="keep compiled programs here so a restart skips compiling (default: $JAX_COMPILATION_CACHE_DIR, "
+        "else ~/.cache/shipyard/xla; off: compile every start)",
+    )
     add_template_flag(sv, "chat template (default: the one the run trained with, else the model's own)")
     add_quantize_flags(sv)
     sv.set_defaults(func=_cmd_serve)

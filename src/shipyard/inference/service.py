@@ -30,6 +30,26 @@ from shipyard.output import progress
 log = logging.getLogger("shipyard.serve")
 
 
+def enable_compile_cache(directory: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache so a restarted server loads its decode and prefill
+    programs instead of compiling them again (minutes for a real model on a CPU). `directory`: where
+    (None: `$JAX_COMPILATION_CACHE_DIR` when set, else `$XDG_CACHE_HOME/shipyard/xla`); "off": leave
+    it off. Returns the directory in use. Programs are keyed by their HLO, compile options, devices
+    and JAX version, so a changed model or flag compiles anew and never reads a stale program."""
+    import os
+
+    from shipyard.data.published import cache_dir
+
+    if directory == "off":
+        return None
+    directory = directory or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir("xla"))
+    jax.config.update("jax_compilation_cache_dir", directory)
+    # every program, however quick to compile (JAX's default keeps those over 1 s): a restart then
+    # compiles nothing, and a program near the threshold is not cached on one start and not the next
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
+
+
 def load_service(
     model,
     *,
