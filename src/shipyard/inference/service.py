@@ -30,6 +30,10 @@ from shipyard.output import progress
 log = logging.getLogger("shipyard.serve")
 
 
+CACHE_MAX_BYTES = 4 << 30
+"""The compile cache's size bound (JAX evicts the least recently used programs past it)."""
+
+
 def enable_compile_cache(directory: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache so a restarted server loads its decode and prefill
     programs instead of compiling them again (minutes for a real model on a CPU). `directory`: where
@@ -47,6 +51,8 @@ def enable_compile_cache(directory: str | None) -> str | None:
     # every program, however quick to compile (JAX's default keeps those over 1 s): a restart then
     # compiles nothing, and a program near the threshold is not cached on one start and not the next
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if jax.config.jax_compilation_cache_max_size < 0:  # unbounded unless the user bounded it
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)  # least recently used go first
     return directory
 
 
