@@ -103,7 +103,11 @@ def slow_run(d: Path, shards: Path) -> Path:
     """A random model of the `small` preset's shape (decode steps of milliseconds, not microseconds) with
     the tokenizer of `shards`: for tests that need a request to still be running when they act on it."""
 
-    cfg = load_config("small", [f"data.train_tokens={shards}", f"model.vocab_size={VOCAB}"])
+    # scan_unroll=1: the prefill compiles one layer body, not six unrolled (the CPU decode step, what
+    # makes a request last, is unrolled per layer either way)
+    cfg = load_config(
+        "small", [f"data.train_tokens={shards}", f"model.vocab_size={VOCAB}", "model.scan_unroll=1"]
+    )
     save_run(d / "slow", cfg, noisy_params(cfg.model, key=1, seed=1, scale=0.02))
     return d / "slow"
 

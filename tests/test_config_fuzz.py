@@ -104,7 +104,7 @@ def _accepts_or_refuses(source: str, overrides: list[str]) -> None:
 
 
 FAST = settings(
-    max_examples=4500, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
+    max_examples=5000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
 )
 
 
@@ -143,7 +143,7 @@ def yaml_files(draw) -> str:
 
 
 @settings(
-    max_examples=800, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
+    max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
 )
 @given(text=yaml_files())
 def test_generated_yaml_files_give_a_config_or_one_line(tmp_path, text):
@@ -215,7 +215,7 @@ def _in_a_scratch_directory(tmp_path_factory):
 
 
 @settings(
-    max_examples=800, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
+    max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
 )
 @given(argv=command_lines())
 def test_generated_command_lines_exit_with_one_line(argv):
