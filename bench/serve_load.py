@@ -5,7 +5,8 @@ The model and server are bench/serve_throughput.py's (a random model of the `sma
 with an 8192-token BPE tokenizer, `--max-batch 16 --max-len 256`, EOS never the argmax). Each of
 16 client threads sends streamed greedy completions one after the other for `--seconds`: a prompt
 of 20..125 random token ids, `max_tokens` 16..128; with probability 0.3 a client closes the
-connection after a random number of chunks (a browser tab closed, a timeout). Measured and checked:
+connection after a random number of chunks, before its reply can end (a browser tab closed, a
+timeout). Measured and checked:
 
 - requests sent, finished, dropped on purpose, and failed (a non-200 or a broken stream that the
   client did not drop): 0 failed;
@@ -62,9 +63,12 @@ def scrape(url: str) -> dict:
 
 def one_request(url: str, rng: random.Random, first_id: int, counts: dict, lock) -> None:
     prompt = [rng.randrange(first_id, bench.SHAPE["vocab_size"]) for _ in range(rng.randint(20, 125))]
-    body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": rng.randint(16, 128)}
+    max_tokens = rng.randint(16, 128)
+    body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
     body |= {"temperature": 0, "stream": True}
-    drop_after = rng.randint(1, 40) if rng.random() < DROP else None
+    # a dropped stream hangs up within the first half of its chunks (a chunk is one decode call's
+    # burst, up to --tokens-per-call 8 tokens), so before its reply could end
+    drop_after = rng.randint(1, max(1, max_tokens // 16)) if rng.random() < DROP else None
     chunks, outcome = 0, "finished"
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
