@@ -190,6 +190,11 @@ class CLI:
             self.cache[path] = self._run(path)
         return self.cache[path]
 
+    def flags(self, path: tuple[str, ...] = ()) -> set[str]:
+        """The flags of `shipyard PATH` (none when its --help fails); of `()`, the global ones."""
+        h = self.help(path)
+        return h.flags if h is not None else set()
+
     def prefetch(self, paths: list[tuple[str, ...]]) -> None:
         todo = sorted({p for p in paths if p not in self.cache})
         with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 4) * 2)) as ex:
@@ -645,7 +650,7 @@ class Checker:
                 self.documented.setdefault(p, set()).add(f)
                 h = self.cli.help(p)
                 if h is not None and not h.subcommands and f not in h.flags and f != "--help":
-                    if f in (self.cli.help(()) or Help([], set(), False)).flags:
+                    if f in self.cli.flags():
                         continue  # global flag
                     close = difflib.get_close_matches(f, sorted(h.flags), n=1)
                     hint = f" (did you mean `{close[0]}`?)" if close else ""
@@ -793,7 +798,7 @@ class Checker:
         if any_command_flags and any(c.text.startswith("--") and not c.code for c in cs):
             flag_paths.update(self.cli.tree(()))
             mentioned = {*mentioned, ()}
-        known_flags = set().union(*[(self.cli.help(p) or Help([], set(), False)).flags for p in flag_paths])
+        known_flags = set().union(*[self.cli.flags(p) for p in flag_paths])
         for c in cs:
             if c.code or not c.text.startswith("--"):
                 continue
@@ -912,7 +917,7 @@ def undocumented_flags(checker: Checker, cli_md: Path, display: str) -> list[Pro
     (`shipyard serve ... --fixed-shape`), or as a span on a line that names the command. Run after
     `check_file(cli_md)`, which records the invocations."""
     lines = cli_md.read_text().splitlines()
-    global_flags = (checker.cli.help(()) or Help([], set(), False)).flags
+    global_flags = checker.cli.flags()
     probs = []
     for path in checker.cli.tree(()):
         h = checker.cli.help(path)

@@ -10,6 +10,8 @@ Every refusal is documented as an OpenAI-style error body.
 
 from __future__ import annotations
 
+import functools
+
 from pydantic.json_schema import models_json_schema
 
 from shipyard import __version__
@@ -60,8 +62,10 @@ def _responses(what: str) -> dict:
     return {"200": {"description": what}, "4XX": error, "5XX": error}
 
 
+@functools.cache
 def openapi_document() -> dict:
-    """The whole document (request schemas under components.schemas, referenced by each POST)."""
+    """The whole document (request schemas under components.schemas, referenced by each POST); built
+    once per process, since the models do not change (callers must not modify it)."""
     refs, defs = models_json_schema(
         [(model, "validation") for model, _ in POSTS.values()], ref_template="#/components/schemas/{model}"
     )
