@@ -6,13 +6,28 @@ such leftovers are ignored. Saves are asynchronous: `save` returns once the
 arrays are copied to host memory and the files are written in the background.
 
 Once a save has finished, a background thread records the sha256 of every
-file in `<step>.sha256.json` next to it. On resume, checkpoints are tried
-newest first: one whose files no longer match (truncated, corrupted) or that
-fails to load is reported and skipped, and the previous complete one is used.
-Every other reader (export, generate, chat, serve, eval, train.init_from,
-pipeline digests: all through runs.ModelDir) verifies the one checkpoint it
-reads and refuses a bad one (no silent fallback). Hashes go through the
-per-user cache of data/hashcache.py, so an unchanged checkpoint is hashed once.
+file in `<step>.sha256.json` next to it (the checkpoint is then *verified*),
+and only then applies the keep policy, to checkpoints up to that one: a save
+that fails or is killed before its sidecar exists never costs the previous
+verified checkpoint. Retention takes a checkpoint out of Orbax's view with one
+rename before deleting it, so a kill mid-delete never leaves a half-deleted
+checkpoint that looks complete.
+
+On resume, checkpoints are tried newest first, and a newer checkpoint without
+a sidecar (killed between Orbax's commit and the hashing) is passed over when
+a verified one exists: one whose files no longer match (truncated, corrupted)
+or that fails to load is reported and skipped, and the previous one is used.
+Checkpoints newer than the one resumed from are then deleted (`drop_newer`),
+so the resumed run saves them again. Every other reader (export, generate,
+chat, serve, eval, train.init_from, pipeline digests: all through
+runs.ModelDir) verifies the one checkpoint it reads and refuses a bad one (no
+silent fallback). Hashes go through the per-user cache of data/hashcache.py,
+so an unchanged checkpoint is hashed once.
+
+A save that cannot be written (disk full, permissions) stops the run with one
+line naming the checkpoint kept; a save is refused up front when the disk has
+less free space than the previous checkpoint took. `run/fault_injection.py`
+breaks saves on purpose for the chaos tests (inert unless its variable is set).
 
 Restoring is against the abstract state (shapes, dtypes and shardings) of the
 *current* mesh, so a checkpoint saved with fsdp=8 on 8 devices restores onto 4
@@ -21,8 +36,12 @@ devices or 1: Orbax reads each shard's slice for the new layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +52,12 @@ import orbax.checkpoint as ocp
 from shipyard.config import CheckpointConfig
 from shipyard.data.hashcache import sha256_files
 from shipyard.errors import RunDirError
+from shipyard.run import fault_injection
 
 SIDECAR = ".sha256.json"
+DELETING = ".orbax-checkpoint-tmp-deleted"
+"""Suffix a checkpoint is renamed to before retention deletes it: Orbax takes any name with
+`.orbax-checkpoint-tmp` for an unfinished save, so the checkpoint leaves its view in one rename."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -64,8 +87,13 @@ def write_checksums(directory: Path, step: int) -> None:
     if not step_dir.is_dir():
         return
     tmp = _sidecar(directory, step).with_suffix(".tmp")
-    tmp.write_text(json.dumps(_file_hashes(step_dir, fresh=True), indent=1))
-    os.replace(tmp, _sidecar(directory, step))
+    text = json.dumps(_file_hashes(step_dir, fresh=True), indent=1)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, _sidecar(directory, step))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def verify_checksums(directory: Path, step: int) -> str | None:
@@ -103,8 +131,83 @@ def verified(directory: Path, step: int) -> str | None:
     return verify_checksums(directory, step)
 
 
+def doomed_steps(steps: list[int], cfg: CheckpointConfig) -> list[int]:
+    """Which of `steps` the keep policy drops: all but the newest `keep` and the multiples of
+    `keep_every` (locally after each verified save, in a bucket after each publication)."""
+    if cfg.keep is None:
+        return []
+    newest = set(sorted(steps, reverse=True)[: cfg.keep])
+    return sorted(s for s in steps if s not in newest and not (cfg.keep_every and s % cfg.keep_every == 0))
+
+
+def drop_checkpoint(directory: Path, step: int) -> None:
+    """Delete checkpoint `step`: renamed out of Orbax's view first (one atomic step), then its
+    sidecar, then its files, so a kill at any point leaves either the whole checkpoint or a
+    leftover that no reader takes for one."""
+    step_dir, doomed = directory / str(step), directory / f"{step}{DELETING}"
+    if step_dir.is_dir():
+        os.replace(step_dir, doomed)
+    _sidecar(directory, step).unlink(missing_ok=True)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+
+
+def _clear_leftovers(directory: Path) -> None:
+    """What a kill left: unfinished saves and deletes, and sidecars whose checkpoint is gone (run
+    at the start of a run, when no save of it can be in progress)."""
+    if not directory.is_dir():
+        return
+    for path in directory.glob("*.orbax-checkpoint-tmp*"):  # DELETING, and Orbax's unfinished saves
+        shutil.rmtree(path, ignore_errors=True)
+    for tmp in directory.glob("*.sha256.tmp"):  # write_checksums' temporary, killed before its rename
+        tmp.unlink(missing_ok=True)
+    for sidecar in directory.glob(f"*{SIDECAR}"):
+        stem = sidecar.name[: -len(SIDECAR)]
+        if stem.isdigit() and not (directory / stem).is_dir():
+            sidecar.unlink(missing_ok=True)
+
+
+def _finalised_steps(directory: Path) -> list[int]:
+    """Steps whose directory Orbax has renamed into place (a plain number), read off the disk."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+_TENSORSTORE_OS_ERROR = re.compile(r"os_error_code=(\d+)|\[errno=(\d+)\]|errno (\d+)")
+
+
+def io_failure(error: BaseException) -> str | None:
+    """What went wrong in words when `error` is a file-system failure (an OSError, or the
+    ValueError tensorstore raises for one), else None (a bug: let it through as it is)."""
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror or error}{where}"
+    text = str(error)
+    found = _TENSORSTORE_OS_ERROR.search(text)
+    if found is None:
+        return None
+    code = int(next(g for g in found.groups() if g))
+    path = re.search(r'Failed (?:writing|to open|opening)[^"]*"([^"]+)"', text)
+    return f"{os.strerror(code)}" + (f" ({path.group(1)})" if path else "")
+
+
+class _OrbaxIOErrors(logging.Filter):
+    """Drops the traceback Orbax logs for a failed background write: the run reports that
+    failure itself, as one line (`Checkpointer._failed`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or io_failure(error) is None
+
+
 class Checkpointer:
-    """Decides when to save, saves asynchronously, and hashes finished saves; one per run."""
+    """Decides when to save, saves asynchronously, hashes finished saves and applies the keep
+    policy after them; one per run."""
 
     def __init__(
         self,
@@ -122,6 +225,8 @@ class Checkpointer:
         self._manager: ocp.CheckpointManager | None = None
         self._unhashed: list[int] = []
         self._hasher: threading.Thread | None = None
+        self._failure: RunDirError | None = None
+        fault_injection.watch(self.directory)
 
     def wants(self, step: int) -> bool:
         """Whether to save the state reached after `step` optimizer steps."""
@@ -130,59 +235,118 @@ class Checkpointer:
 
     def _get_manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.cfg.keep,
-                keep_period=self.cfg.keep_every,
-                enable_async_checkpointing=True,
-            )
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            logging.getLogger("absl").addFilter(_OrbaxIOErrors())
+            # No max_to_keep: Orbax would delete old checkpoints as soon as a new save starts,
+            # before that save is known to be whole; retention runs after hashing instead.
+            options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+            self._manager = self._orbax(None, lambda: ocp.CheckpointManager(self.directory, options=options))
         return self._manager
 
+    def _kept(self, step: int | None) -> str:
+        older = [s for s in _finalised_steps(self.directory) if step is None or s < step]
+        good = [s for s in reversed(older) if verified(self.directory, s) is None]
+        if good:
+            return f"checkpoint {good[0]} is intact"
+        return "no earlier checkpoint was saved" if not older else f"checkpoint {older[-1]} is kept"
+
+    def _failed(self, step: int | None, reason: str) -> RunDirError:
+        what = f"saving checkpoint {step}" if step is not None else "saving a checkpoint"
+        return RunDirError(
+            f"{what} in {self.directory} failed: {reason}; {self._kept(step)}: fix that, then "
+            "continue with the same command plus --resume"
+        )
+
+    def _orbax(self, step: int | None, call: Callable):
+        """`call()`, with a file-system failure turned into one line (the manager closed first)."""
+        try:
+            return call()
+        except Exception as e:
+            reason = io_failure(e)
+            if reason is None:
+                raise
+            manager, self._manager = self._manager, None
+            if manager is not None:
+                with contextlib.suppress(Exception):  # the same failure again, being reported
+                    manager.close()
+            raise self._failed(step, reason) from None
+
+    def _check_space(self, step: int) -> None:
+        previous = [s for s in _finalised_steps(self.directory) if s < step]
+        if not previous:
+            return
+        need = _size(self.directory / str(previous[-1]))
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise RunDirError(
+                f"saving checkpoint {step} in {self.directory}: it needs about {need / 2**20:.1f} MiB "
+                f"(the size of checkpoint {previous[-1]}) and the disk has {free / 2**20:.1f} MiB free; "
+                f"nothing was written and {self._kept(step)}: free space, then continue with the same "
+                "command plus --resume"
+            )
+
     def save(self, step: int, state, wait: bool = False) -> None:
+        self._raise_failure()
         manager = self._get_manager()
         if step in manager.all_steps():  # e.g. a SIGTERM right after a periodic save
             return
-        manager.save(step, args=ocp.args.StandardSave(state))
+        self._check_space(step)
+        fault_injection.arm(step)
+        self._orbax(step, lambda: manager.save(step, args=ocp.args.StandardSave(state)))
         self._unhashed.append(step)
         if wait:
-            manager.wait_until_finished()
+            self._orbax(step, manager.wait_until_finished)
         self.poll()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
 
     def poll(self) -> None:
         """Start hashing saves that have finished (cheap to call every step); process 0 does it."""
+        self._raise_failure()
         if not self._unhashed or self._manager is None or self._manager.is_saving_in_progress():
             return
+        # The background write is over: a failure in it is raised here (no wait).
+        self._orbax(self._unhashed[-1], self._manager.wait_until_finished)
         if jax.process_index() != 0:
             self._unhashed = []
             return
         if self._hasher is not None and self._hasher.is_alive():
             return
         steps, self._unhashed = self._unhashed, []
-        kept = set(self._manager.all_steps())
-
-        def work():
-            for step in steps:
-                if step in kept:
-                    write_checksums(self.directory, step)
-                    if self.on_hashed is not None:
-                        self.on_hashed(step)
-            # sidecars of checkpoints Orbax has garbage-collected go too
-            for sidecar in self.directory.glob(f"*{SIDECAR}"):
-                stem = sidecar.name[: -len(SIDECAR)]
-                if stem.isdigit() and not (self.directory / stem).is_dir():
-                    sidecar.unlink(missing_ok=True)
-
-        self._hasher = threading.Thread(target=work, daemon=True)
+        self._hasher = threading.Thread(target=self._hash_and_retain, args=(steps,), daemon=True)
         self._hasher.start()
 
+    def _hash_and_retain(self, steps: list[int]) -> None:
+        step = None
+        try:
+            for step in steps:
+                if not (self.directory / str(step)).is_dir():
+                    continue
+                write_checksums(self.directory, step)
+                # Only now that `step` is verified may older ones go, and only those up to it.
+                done = [s for s in _finalised_steps(self.directory) if s <= step]
+                for old in doomed_steps(done, self.cfg):
+                    drop_checkpoint(self.directory, old)
+                if self.on_hashed is not None:
+                    self.on_hashed(step)
+        except OSError as e:
+            self._failure = self._failed(step, io_failure(e) or str(e))
+
     def close(self) -> None:
-        """Wait for pending writes and their checksums."""
+        """Wait for pending writes, their checksums and retention."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            pending = self._unhashed[-1] if self._unhashed else None
+            self._orbax(pending, self._manager.wait_until_finished)
+            if self._hasher is not None:  # poll starts no second hasher while one runs
+                self._hasher.join()
             self.poll()
             if self._hasher is not None:
                 self._hasher.join()
-            self._manager.close()
+            manager, self._manager = self._manager, None
+            self._orbax(pending, manager.close)
+        self._raise_failure()
 
 
 def available_steps(directory: Path) -> list[int]:
@@ -216,11 +380,20 @@ def restore_params(directory: Path, step: int, abstract_params):
 
 
 def restore_latest(directory: Path, abstract_state, say: Callable[[str], None] = print):
-    """(step, state) from the newest checkpoint that verifies and loads; older ones on failure, saying why."""
+    """(step, state) from the newest verified checkpoint that loads; older ones on failure, saying
+    why. A newer one without a sidecar (the run was killed before hashing it) is passed over when
+    a verified one exists, and taken as Orbax left it when none does (a run from before sidecars)."""
     steps = available_steps(directory)
     if not steps:
         raise RunDirError(f"--resume: no complete checkpoint in {directory} (the run saved none yet)")
+    hashed = [s for s in steps if _sidecar(directory, s).is_file()]
     for step in steps:
+        if hashed and step > hashed[0]:
+            say(
+                f"shipyard: checkpoint {step} in {directory} was never verified (the run stopped before "
+                f"its sha256 sidecar was written); resuming from checkpoint {hashed[0]}, which was"
+            )
+            continue
         problem = verify_checksums(directory, step)
         if problem is None:
             try:
@@ -233,3 +406,18 @@ def restore_latest(directory: Path, abstract_state, say: Callable[[str], None] =
         )
         say(f"shipyard: checkpoint {step} in {directory} is unusable: {problem}; {fallback}")
     raise RunDirError(f"--resume: no usable checkpoint in {directory} (all {len(steps)} failed; see above)")
+
+
+def tidy_after_resume(directory: Path, step: int, cfg: CheckpointConfig, say: Callable[[str], None] = print):
+    """After a resume from checkpoint `step`: the checkpoints newer than it (those `restore_latest`
+    passed over) deleted, so the resumed run saves them again and no later resume meets them; the
+    leftovers of a killed save or delete cleared; the keep policy applied (a run killed before its
+    retention ran, then resumed at its last step, saves nothing more)."""
+    for newer in [s for s in _finalised_steps(directory) if s > step]:
+        drop_checkpoint(directory, newer)
+        say(
+            f"shipyard: deleted checkpoint {newer} in {directory} (passed over above); this run saves it again"
+        )
+    _clear_leftovers(directory)
+    for old in doomed_steps(_finalised_steps(directory), cfg):
+        drop_checkpoint(directory, old)

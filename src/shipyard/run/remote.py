@@ -41,7 +41,8 @@ from shipyard.config import CheckpointConfig
 from shipyard.data.hashcache import sha256_files
 from shipyard.errors import ConfigError, RunDirError
 from shipyard.output import write_atomic
-from shipyard.run.checkpoint import SIDECAR, checkpoint_dir
+from shipyard.run import fault_injection
+from shipyard.run.checkpoint import SIDECAR, checkpoint_dir, doomed_steps
 from shipyard.storage import StorageError, redact
 
 RUN_MARKER = storage.MARKER
@@ -199,6 +200,7 @@ def _drop_unpublished(url: str) -> None:
 
 def _upload(local: Path, url: str) -> bool:
     """Put local file `local` at `url` (streamed, retried); False when the file is gone locally."""
+    fault_injection.boundary("upload", redact(url))
     fs, path = storage.filesystem(url)
     try:
         storage.retrying(lambda: fs.put_file(str(local), path), f"uploading {redact(url)}")
@@ -209,13 +211,10 @@ def _upload(local: Path, url: str) -> bool:
     return True
 
 
-def doomed_steps(steps: list[int], cfg: CheckpointConfig) -> list[int]:
-    """Which of `steps` the keep policy drops (as Orbax does locally): all but the newest
-    `keep` and the multiples of `keep_every`."""
-    if cfg.keep is None:
-        return []
-    newest = set(sorted(steps, reverse=True)[: cfg.keep])
-    return sorted(s for s in steps if s not in newest and not (cfg.keep_every and s % cfg.keep_every == 0))
+def _delete(url: str) -> None:
+    """Delete `url` (a file or everything under a prefix) from the bucket: one I/O boundary."""
+    fault_injection.boundary("delete", redact(url))
+    storage.remove(url)
 
 
 def publish_checkpoint(work: Path, url: str, step: int) -> bool:
@@ -229,22 +228,22 @@ def publish_checkpoint(work: Path, url: str, step: int) -> bool:
     except FileNotFoundError:
         return False
     base = _ckpt_url(url, str(step))
-    storage.remove(_ckpt_url(url, f"{step}{SIDECAR}"))
-    storage.remove(base)
+    _delete(_ckpt_url(url, f"{step}{SIDECAR}"))
+    _delete(base)
     # The files go up side by side (a store's latency, not its bandwidth, bounds one PUT after
     # another); the sidecar only once every one of them is there.
     with ThreadPoolExecutor(UPLOADERS) as pool:
         sent = list(pool.map(lambda n: _upload(directory / str(step) / n, f"{base}/{n}"), names))
     if not all(sent):
-        storage.remove(base)
+        _delete(base)
         return False
     return _upload(sidecar, _ckpt_url(url, f"{step}{SIDECAR}"))
 
 
 def unpublish_checkpoint(url: str, step: int) -> None:
     """Delete checkpoint `step` from the bucket: its sidecar first, so it is never half there."""
-    storage.remove(_ckpt_url(url, f"{step}{SIDECAR}"))
-    storage.remove(_ckpt_url(url, str(step)))
+    _delete(_ckpt_url(url, f"{step}{SIDECAR}"))
+    _delete(_ckpt_url(url, str(step)))
 
 
 class Publisher:
@@ -323,6 +322,7 @@ class Publisher:
             self._checkpoint(step)
         self._sync_files()
         if complete:
+            fault_injection.boundary("marker", redact(str(storage.join(self.url, RUN_MARKER))))
             storage.write_bytes(str(storage.join(self.url, RUN_MARKER)), b"")
 
     def _sync_files(self) -> None:

@@ -12,6 +12,26 @@ import jax.numpy as jnp
 from shipyard.config import ModelConfig
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX's writer module tries `import torch` for its optional torch-tensor support; with
+    torch installed (the test extras) that costs ~2 s in every training process, and we only ever
+    log Python floats. A None in sys.modules makes that import fail fast, as if torch were absent."""
+    import sys
+
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights one token is multiplied with: attention and MLP projections, active experts, router, head.
 
@@ -90,8 +110,7 @@ class MetricsWriter:
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run; closed by close())
         self._tb = None
         if tensorboard_dir is not None:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             # purge_step: a resumed run hides the events logged after its checkpoint,
             # as truncate_metrics drops those metrics.jsonl lines.
             self._tb = SummaryWriter(str(tensorboard_dir), flush_secs=10, purge_step=purge_step)

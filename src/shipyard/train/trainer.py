@@ -21,7 +21,13 @@ from shipyard.model.transformer import num_active_params, num_params, param_spec
 from shipyard.output import write_atomic
 from shipyard.parallel import distributed, pipeline
 from shipyard.run import remote
-from shipyard.run.checkpoint import Checkpointer, available_steps, checkpoint_dir, restore_latest
+from shipyard.run.checkpoint import (
+    Checkpointer,
+    available_steps,
+    checkpoint_dir,
+    restore_latest,
+    tidy_after_resume,
+)
 from shipyard.run.rundir import (
     check_resumable,
     config_text,
@@ -212,7 +218,9 @@ def initial_state(program: TrainProgram, run_dir: Path, resuming: bool, main: bo
         return 0, init_state(cfg, params, program.optimizer), frozen
     ckpt_dir = checkpoint_dir(run_dir)
     start, state = restore_latest(ckpt_dir, program.abstract_state, say=say)
+    distributed.barrier("checkpoint restored")  # every process has read before main deletes
     if main:
+        tidy_after_resume(ckpt_dir, start, cfg.train.checkpoint, say)
         truncate_metrics(run_dir / "metrics.jsonl", start)
         record_resume(run_dir, start)
         write_atomic(run_dir / "config.yaml", config_text(cfg))
