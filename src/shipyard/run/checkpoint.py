@@ -42,7 +42,9 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,7 +180,7 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-_TENSORSTORE_OS_ERROR = re.compile(r"os_error_code=(\d+)|\[errno=(\d+)\]|errno (\d+)")
+_TENSORSTORE_OS_ERROR = re.compile(r"os_error_code='?(\d+)|\[errno=(\d+)\]|errno (\d+)")
 
 
 def io_failure(error: BaseException) -> str | None:
@@ -203,6 +205,20 @@ class _OrbaxIOErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         return error is None or io_failure(error) is None
+
+
+def _quiet_closed_loop(hook):
+    """sys.excepthook without the "Event loop is closed" tracebacks tensorstore prints when the
+    writes of a failed save finish after Orbax has closed their event loop (one per array, each
+    the failure that `Checkpointer` reports as one line)."""
+
+    def excepthook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        hook(kind, value, tb)
+
+    excepthook.quiet_closed_loop = True  # type: ignore[attr-defined]
+    return excepthook
 
 
 class Checkpointer:
@@ -235,24 +251,37 @@ class Checkpointer:
 
     def _get_manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
-            logging.getLogger("absl").addFilter(_OrbaxIOErrors())
+            for name in ("absl", "asyncio"):  # asyncio: the failed writes' futures, at exit
+                logging.getLogger(name).addFilter(_OrbaxIOErrors())
+            if not getattr(sys.excepthook, "quiet_closed_loop", False):
+                sys.excepthook = _quiet_closed_loop(sys.excepthook)
             # No max_to_keep: Orbax would delete old checkpoints as soon as a new save starts,
             # before that save is known to be whole; retention runs after hashing instead.
             options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
             self._manager = self._orbax(None, lambda: ocp.CheckpointManager(self.directory, options=options))
         return self._manager
 
-    def _kept(self, step: int | None) -> str:
-        older = [s for s in _finalised_steps(self.directory) if step is None or s < step]
-        good = [s for s in reversed(older) if verified(self.directory, s) is None]
+    def _kept(self) -> str:
+        """Which checkpoint a resume would continue from, in words."""
+        done = _finalised_steps(self.directory)
+        good = [s for s in reversed(done) if verified(self.directory, s) is None]
         if good:
             return f"checkpoint {good[0]} is intact"
-        return "no earlier checkpoint was saved" if not older else f"checkpoint {older[-1]} is kept"
+        return (
+            "no checkpoint was saved before" if not done else f"checkpoint {done[-1]} is kept (not verified)"
+        )
 
-    def _failed(self, step: int | None, reason: str) -> RunDirError:
-        what = f"saving checkpoint {step}" if step is not None else "saving a checkpoint"
+    def _failed(self, step: int | str | None, reason: str) -> RunDirError:
+        """One line for a failed save (`step`: its number, or what was being done, in words)."""
+        what = (
+            step
+            if isinstance(step, str)
+            else f"saving checkpoint {step}"
+            if step is not None
+            else "saving a checkpoint"
+        )
         return RunDirError(
-            f"{what} in {self.directory} failed: {reason}; {self._kept(step)}: fix that, then "
+            f"{what} in {self.directory} failed: {reason}; {self._kept()}: fix that, then "
             "continue with the same command plus --resume"
         )
 
@@ -265,9 +294,17 @@ class Checkpointer:
             if reason is None:
                 raise
             manager, self._manager = self._manager, None
-            if manager is not None:
-                with contextlib.suppress(Exception):  # the same failure again, being reported
-                    manager.close()
+            # What Orbax says on the way down (warnings about the files it could not write, the
+            # coroutines a failed save never ran) repeats the one failure reported here.
+            warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+            absl = logging.getLogger("absl")
+            level, _ = absl.level, absl.setLevel(logging.ERROR)
+            try:
+                if manager is not None:
+                    with contextlib.suppress(Exception):  # the same failure again
+                        manager.close()
+            finally:
+                absl.setLevel(level)
             raise self._failed(step, reason) from None
 
     def _check_space(self, step: int) -> None:
@@ -280,7 +317,7 @@ class Checkpointer:
             raise RunDirError(
                 f"saving checkpoint {step} in {self.directory}: it needs about {need / 2**20:.1f} MiB "
                 f"(the size of checkpoint {previous[-1]}) and the disk has {free / 2**20:.1f} MiB free; "
-                f"nothing was written and {self._kept(step)}: free space, then continue with the same "
+                f"nothing was written and {self._kept()}: free space, then continue with the same "
                 "command plus --resume"
             )
 
@@ -319,20 +356,22 @@ class Checkpointer:
         self._hasher.start()
 
     def _hash_and_retain(self, steps: list[int]) -> None:
-        step = None
+        doing = "saving a checkpoint"
         try:
             for step in steps:
                 if not (self.directory / str(step)).is_dir():
                     continue
+                doing = f"saving checkpoint {step}"
                 write_checksums(self.directory, step)
                 # Only now that `step` is verified may older ones go, and only those up to it.
                 done = [s for s in _finalised_steps(self.directory) if s <= step]
                 for old in doomed_steps(done, self.cfg):
+                    doing = f"deleting checkpoint {old} (train.checkpoint.keep) after saving {step}"
                     drop_checkpoint(self.directory, old)
                 if self.on_hashed is not None:
                     self.on_hashed(step)
         except OSError as e:
-            self._failure = self._failed(step, io_failure(e) or str(e))
+            self._failure = self._failed(doing, io_failure(e) or str(e))
 
     def close(self) -> None:
         """Wait for pending writes, their checksums and retention."""
