@@ -17,7 +17,7 @@ On resume, checkpoints are tried newest first, and a newer checkpoint without
 a sidecar (killed between Orbax's commit and the hashing) is passed over when
 a verified one exists: one whose files no longer match (truncated, corrupted)
 or that fails to load is reported and skipped, and the previous one is used.
-Checkpoints newer than the one resumed from are then deleted (`drop_newer`),
+Checkpoints newer than the one resumed from are then deleted (`tidy_after_resume`),
 so the resumed run saves them again. Every other reader (export, generate,
 chat, serve, eval, train.init_from, pipeline digests: all through
 runs.ModelDir) verifies the one checkpoint it reads and refuses a bad one (no
