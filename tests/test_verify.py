@@ -127,6 +127,33 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_refused_by_every_reader(worl
         digest("train", run)
 
 
+def test_a_flipped_byte_in_any_file_of_a_checkpoint_is_detected_on_read(world, tmp_path):
+    """Every kind of file a checkpoint has (Orbax's metadata, commit markers, the OCDBT manifests and
+    data files, the array metadata, the sidecar itself) flipped in turn: what every reader checks
+    (`verify_checksums`) names it, and resume falls back to checkpoint 4."""
+    from shipyard.run.checkpoint import restore_latest, verify_checksums
+
+    source = world / "run" / "checkpoints"
+    names = sorted(p.relative_to(source / "6").as_posix() for p in (source / "6").rglob("*") if p.is_file())
+    kinds = {n.split("/")[-1] if "/d/" not in n else n.rsplit("/", 1)[0] + "/*" for n in names}
+    assert {"_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA", "manifest.ocdbt", "process_0"} <= kinds
+    for i, name in enumerate([*names, "../6.sha256.json"]):
+        directory = tmp_path / str(i)
+        shutil.copytree(source, directory)
+        victim = directory / "6" / name
+        if victim.stat().st_size:
+            _flip(victim)
+        else:
+            victim.write_bytes(b"\0")  # an empty file gains a byte
+        problem = verify_checksums(directory, 6)
+        assert problem is not None, f"a flipped byte in {name} went unnoticed"
+        if not name.startswith(".."):  # (a flipped sidecar names a file that is not there, or a hash)
+            assert str(victim) in problem and "does not match its recorded sha256" in problem, problem
+        said = []
+        step, _ = restore_latest(directory, None, say=said.append)
+        assert step == 4 and "checkpoint 6" in said[0] and "falling back to checkpoint 4" in said[0], said
+
+
 def test_step_of_an_older_good_checkpoint_still_works(world, tmp_path, capsys):
     run = _run_copy(world, tmp_path)
     _flip(_biggest_file(run / "checkpoints" / "6"))

@@ -207,18 +207,59 @@ class _OrbaxIOErrors(logging.Filter):
         return error is None or io_failure(error) is None
 
 
+def _closed_loop(kind, value) -> bool:
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
 def _quiet_closed_loop(hook):
-    """sys.excepthook without the "Event loop is closed" tracebacks tensorstore prints when the
+    """sys.excepthook without the "Event loop is closed" tracebacks tensorstore raises when the
     writes of a failed save finish after Orbax has closed their event loop (one per array, each
     the failure that `Checkpointer` reports as one line)."""
 
     def excepthook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
-            return
-        hook(kind, value, tb)
+        if not _closed_loop(kind, value):
+            hook(kind, value, tb)
 
     excepthook.quiet_closed_loop = True  # type: ignore[attr-defined]
     return excepthook
+
+
+def _quiet_closed_loop_unraisable(hook):
+    """sys.unraisablehook likewise: tensorstore's completion callbacks run on its own threads,
+    where the same RuntimeError has no caller and is reported as unraisable."""
+
+    def unraisablehook(unraisable):
+        if not _closed_loop(unraisable.exc_type, unraisable.exc_value):
+            hook(unraisable)
+
+    unraisablehook.quiet_closed_loop = True  # type: ignore[attr-defined]
+    return unraisablehook
+
+
+def _release_stranded_waits() -> None:
+    """After a save failed before Orbax signalled the next stage of it (its directory made, say),
+    the threads of the later stages go on waiting for that signal for Orbax's coordination timeout
+    (many minutes), and they are not daemon threads: the process would hang at exit instead of
+    reporting the failure. Each is cancelled and given the signal, so it wakes and returns.
+
+    Orbax's internals (0.12): on another version whose names differ this does nothing. One
+    process only: in a cluster the signals live in JAX's shared key-value store, where setting
+    one would wake the other processes' stages too."""
+    if jax.process_count() != 1:
+        return
+    try:
+        from orbax.checkpoint._src.futures import future, signaling_client
+
+        thread_type, contract = future._SignalingThread, future.AwaitableSignalsContract
+        client = signaling_client.get_signaling_client()
+        for thread in threading.enumerate():
+            if isinstance(thread, thread_type) and thread.is_alive():
+                thread.cancel()
+                for signal in thread._receive_signals:
+                    key = contract.get_unique_awaitable_singal_key(signal, thread._operation_id)
+                    client.key_value_set(key, "released", allow_overwrite=True)
+    except (ImportError, AttributeError, TypeError):
+        return
 
 
 class Checkpointer:
@@ -231,10 +272,13 @@ class Checkpointer:
         cfg: CheckpointConfig,
         total_steps: int,
         on_hashed: Callable[[int], None] | None = None,
+        settle: Callable[[], None] | None = None,
     ):
         """`on_hashed(step)` is called (from the hashing thread) once checkpoint `step` is final and
-        its sidecar written: what a run in a bucket publishes (run/remote.py)."""
+        its sidecar written: what a run in a bucket publishes (run/remote.py). `settle()` waits
+        until what `on_hashed` started is done (only for the fault-injection switch)."""
         self.on_hashed = on_hashed
+        self.settle = settle
         self.cfg = cfg
         self.total_steps = total_steps
         self.directory = checkpoint_dir(run_dir)
@@ -255,6 +299,8 @@ class Checkpointer:
                 logging.getLogger(name).addFilter(_OrbaxIOErrors())
             if not getattr(sys.excepthook, "quiet_closed_loop", False):
                 sys.excepthook = _quiet_closed_loop(sys.excepthook)
+            if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
+                sys.unraisablehook = _quiet_closed_loop_unraisable(sys.unraisablehook)
             # No max_to_keep: Orbax would delete old checkpoints as soon as a new save starts,
             # before that save is known to be whole; retention runs after hashing instead.
             options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
@@ -305,6 +351,7 @@ class Checkpointer:
                         manager.close()
             finally:
                 absl.setLevel(level)
+            _release_stranded_waits()
             raise self._failed(step, reason) from None
 
     def _check_space(self, step: int) -> None:
@@ -327,12 +374,27 @@ class Checkpointer:
         if step in manager.all_steps():  # e.g. a SIGTERM right after a periodic save
             return
         self._check_space(step)
+        if fault_injection.targets(step):
+            self._settle()
         fault_injection.arm(step)
         self._orbax(step, lambda: manager.save(step, args=ocp.args.StandardSave(state)))
         self._unhashed.append(step)
         if wait:
             self._orbax(step, manager.wait_until_finished)
         self.poll()
+
+    def _settle(self) -> None:
+        """Let every earlier save finish, be hashed, retained and published (no overlap with the next)."""
+        if self._manager is not None:
+            self._orbax(self._unhashed[-1] if self._unhashed else None, self._manager.wait_until_finished)
+        if self._hasher is not None:
+            self._hasher.join()
+        self.poll()
+        if self._hasher is not None:
+            self._hasher.join()
+        if self.settle is not None:
+            self.settle()
+        self._raise_failure()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

@@ -290,6 +290,10 @@ class Publisher:
                 "command on this machine with --resume once the store is reachable (bucket copy incomplete)"
             )
 
+    def wait_idle(self) -> None:
+        """Return once every job queued so far is done (the fault-injection switch's settle)."""
+        self._jobs.join()
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
@@ -307,6 +311,8 @@ class Publisher:
                     self.say(
                         f"shipyard: publishing to {redact(self.url)}: {e}; trying again at the end of the run"
                     )
+            finally:
+                self._jobs.task_done()
 
     def _checkpoint(self, step: int) -> None:
         with self._cond:  # the metrics up to the checkpoint go up before it
@@ -320,6 +326,10 @@ class Publisher:
         failed, self._failed = sorted(set(self._failed)), []
         for step in failed:  # what a long outage kept from going up (still local unless dropped since)
             self._checkpoint(step)
+        # The keep policy once more: a run killed after publishing its last checkpoint but before
+        # retiring older ones, then resumed there, publishes no checkpoint that would retire them.
+        for old in doomed_steps(published_steps(self.url), self.ckpt):
+            unpublish_checkpoint(self.url, old)
         self._sync_files()
         if complete:
             fault_injection.boundary("marker", redact(str(storage.join(self.url, RUN_MARKER))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import ModelConfig
+from shipyard.errors import RunDirError
 
 
 def _summary_writer_class():
@@ -142,11 +144,35 @@ class MetricsWriter:
             self._wandb.log(flat, step=record["step"])
 
     def close(self) -> None:
-        self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        """Flush and close; a file-system failure (a full disk) is one line naming what was being
+        written (RunDirError), said once: tensorboardX's own exit-time flush and writer thread then
+        stay quiet about the same failure."""
+        try:
+            self._f.close()
+        except OSError as e:
+            raise RunDirError(f"writing {self.path} failed: {e.strerror or e}") from None
+        finally:
+            tb, self._tb = self._tb, None
+            try:
+                if tb is not None:
+                    _close_tensorboard(tb)
+            finally:
+                if self._wandb is not None:
+                    self._wandb.finish()
+
+
+def _close_tensorboard(tb) -> None:
+    try:
+        tb.close()
+    except OSError as e:
+        # tensorboardX would try again from its writer thread and at exit (atexit), each time with a
+        # traceback: its threads are stopped and its writers marked closed, so it stays quiet.
+        for writer in tb.all_writers.values():
+            events = writer.event_writer
+            with contextlib.suppress(Exception):
+                events._worker.stop()
+            events._closed = True
+        raise RunDirError(f"writing TensorBoard events in {tb.logdir} failed: {e.strerror or e}") from None
 
 
 def _start_wandb(cfg, run_dir: Path, run_config: dict):

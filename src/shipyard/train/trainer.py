@@ -15,7 +15,7 @@ from shipyard import storage
 from shipyard.config import Config
 from shipyard.data.loader import Prefetcher, SequenceSource, build_loader, device_batch
 from shipyard.data.tokens import is_shard_set, tokens_sha256
-from shipyard.errors import ConfigError
+from shipyard.errors import ConfigError, RunDirError
 from shipyard.model.params import param_shardings
 from shipyard.model.transformer import num_active_params, num_params, param_specs
 from shipyard.output import write_atomic
@@ -313,13 +313,20 @@ def step_log(program: TrainProgram, run_dir: Path, start: int, main: bool) -> St
 def _close(batches, log, checkpointer: Checkpointer, publisher, complete: bool) -> None:
     """End a run's background work: prefetch, logs, pending saves and their hashes, then (a run in a
     bucket) the final publication, whose run marker goes up only when the run finished (`complete`)."""
+    # Every part is closed even when one fails (a full disk fails the logs and the save alike);
+    # the failure reported is the checkpoint's when there is one: it says which checkpoint is kept.
+    failures: list[Exception] = []
+    for part in (batches.close, checkpointer.close, log.close):
+        try:
+            part()
+        except Exception as e:
+            failures.append(e)
     try:
-        batches.close()
-        log.close()
-        checkpointer.close()
-    finally:
         if publisher is not None:
-            publisher.close(complete)
+            publisher.close(complete and not failures)
+    finally:
+        if failures:
+            raise next((e for e in failures if isinstance(e, RunDirError)), failures[0])
 
 
 def _train(
@@ -353,8 +360,8 @@ def _train(
         publisher = remote.Publisher(run_dir, url, cfg.train.checkpoint, say)
         publisher.sync_files()  # the header is in the bucket from the start
         log = remote.PublishedLog(log, publisher)
-    hashed = publisher.checkpoint_hashed if publisher is not None else None
-    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps, on_hashed=hashed)
+    hashed, idle = (publisher.checkpoint_hashed, publisher.wait_idle) if publisher else (None, None)
+    checkpointer = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps, on_hashed=hashed, settle=idle)
     batches = Prefetcher(batch_source(program, data), start, cfg.train.steps)
     evaluate = Evaluator(program, data.validation, frozen, reference)
     profile = ProfileWindow(profile_steps, run_dir / "profile", main, say)
@@ -362,8 +369,9 @@ def _train(
     try:
         stopped_at = run_loop(parts, state, start, cfg.train.steps)
     except BaseException:
-        # the run's own error is the one to report: a store that is down too was said already
-        with contextlib.suppress(storage.StorageError):
+        # the run's own error is the one to report: a store that is down too was said already, and
+        # a full disk that failed the save fails the logs' last flush as well
+        with contextlib.suppress(Exception):
             _close(batches, log, checkpointer, publisher, complete=False)
         raise
     _close(batches, log, checkpointer, publisher, complete=stopped_at is None)
