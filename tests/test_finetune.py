@@ -448,12 +448,28 @@ def test_resume_refuses_another_finetune_setting(chat_runs, tmp_path, capsys):
     assert sorted(p.name for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
 
+def _ours_and_peft(run, adapter, base, ids):
+    """(shipyard's logits of the run's merged model, PEFT's adapters on the exported base in float32,
+    that base as transformers loaded it) for token ids `ids`."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shipyard.run.model_dir import load_model
+
+    cfg, _, merged = load_model(run)
+    ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(hf, adapter).eval()(torch.tensor(ids)).logits.numpy()
+    return ours, theirs, hf
+
+
 def test_qlora_run_exports_peft_on_its_dequantized_base_and_a_merged_model(chat_runs):
     """A QLoRA run (NF4 base, double-quantized scales) from the SFT base: its checkpoint holds adapters
     only; `export peft --write-base` writes the dequantized base it trained on, and PEFT's adapters on
     that base give shipyard's logits; `export hf` writes the merged dequantized model, the same again."""
     torch = pytest.importorskip("torch")
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from shipyard.run.model_dir import load_model
@@ -471,12 +487,8 @@ def test_qlora_run_exports_peft_on_its_dequantized_base_and_a_merged_model(chat_
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         root / "qlora-base"
     )
-    cfg, _, merged = load_model(run)
     ids = np.random.default_rng(0).integers(0, 263, (2, 20))
-    ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
-    hf = AutoModelForCausalLM.from_pretrained(root / "qlora-base", dtype=torch.float32)
-    with torch.no_grad():
-        theirs = PeftModel.from_pretrained(hf, out).eval()(torch.tensor(ids)).logits.numpy()
+    ours, theirs, hf = _ours_and_peft(run, out, root / "qlora-base", ids)
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
     assert main(["export", "hf", str(run), str(root / "qlora-merged")]) == 0
     with torch.no_grad():
@@ -497,11 +509,7 @@ def test_qlora_peft_export_holds_the_stated_bound_on_a_deeper_model(tmp_path):
     whose weights are drawn wide (init_std 0.2), so its logits spread as a trained model's do (an
     untrained deep model's differ by ~0.1 and hide any error): PEFT on the exported dequantized base
     gives shipyard's logits within 2e-3, and the same argmax at every position."""
-    torch = pytest.importorskip("torch")
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from shipyard.run.model_dir import load_model
+    pytest.importorskip("torch")
 
     tok = write_tokenizer(tmp_path / "tok")
     train = write_chats(tmp_path / "train.jsonl", upper_task(0, 60))
@@ -518,12 +526,9 @@ def test_qlora_peft_export_holds_the_stated_bound_on_a_deeper_model(tmp_path):
     )
     out = tmp_path / "adapter"
     assert main(["export", "peft", str(run), str(out), "--write-base", str(tmp_path / "qbase")]) == 0
-    cfg, _, merged = load_model(run)
-    ids = np.random.default_rng(0).integers(0, 263, (2, 24))
-    ours = np.asarray(logits(jax.tree.map(jnp.asarray, merged), jnp.asarray(ids), cfg.model))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "qbase", dtype=torch.float32)
-    with torch.no_grad():
-        theirs = PeftModel.from_pretrained(hf, out).eval()(torch.tensor(ids)).logits.numpy()
+    ours, theirs, _ = _ours_and_peft(
+        run, out, tmp_path / "qbase", np.random.default_rng(0).integers(0, 263, (2, 24))
+    )
     spread = float(ours.std(axis=-1).mean())
     error = float(np.abs(theirs - ours).max())
     print(f"12 layers: logit spread {spread:.2f}, largest PEFT error {error:.2e}")
