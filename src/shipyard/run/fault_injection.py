@@ -121,14 +121,19 @@ def _fill(path: str) -> None:
 
 _UNRESOLVED = object()
 _plan: object = _UNRESOLVED
+_resolving = threading.Lock()
 _guard = threading.local()
 
 
 def _current() -> _Plan | None:
+    """The one plan of this process. Under a lock: in a run in a bucket the publisher thread asks
+    (its first upload) while the main thread's Checkpointer does (`watch`); two plans would split the
+    count, and the audit hook's, without the checkpoint directory, would see no local boundary."""
     global _plan
-    if _plan is _UNRESOLVED:
-        text = os.environ.get(ENV)
-        _plan = _Plan(text) if text else None
+    with _resolving:
+        if _plan is _UNRESOLVED:
+            text = os.environ.get(ENV)
+            _plan = _Plan(text) if text else None
     return _plan  # type: ignore[return-value]
 
 

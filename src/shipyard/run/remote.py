@@ -259,6 +259,7 @@ class Publisher:
         self._closing = False
         self._cond = threading.Condition()
         self._final_error: StorageError | None = None
+        self._crash: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="shipyard-publish", daemon=True)
         self._thread.start()
 
@@ -284,6 +285,8 @@ class Publisher:
         self._jobs.put(("final", complete))
         self._jobs.put(None)
         self._thread.join()
+        if self._crash is not None:
+            raise self._crash
         if self._final_error is not None:
             raise StorageError(
                 f"{self._final_error}; the run's working copy {self.work} holds everything: rerun the same "
@@ -311,6 +314,8 @@ class Publisher:
                     self.say(
                         f"shipyard: publishing to {redact(self.url)}: {e}; trying again at the end of the run"
                     )
+            except Exception as e:  # a bug: kept for close() to raise; the thread goes on with the rest
+                self._crash = self._crash or e
             finally:
                 self._jobs.task_done()
 
@@ -335,12 +340,22 @@ class Publisher:
             fault_injection.boundary("marker", redact(str(storage.join(self.url, RUN_MARKER))))
             storage.write_bytes(str(storage.join(self.url, RUN_MARKER)), b"")
 
+    def _run_files(self) -> list[Path]:
+        """The run's files, checkpoints/ not entered (retention renames and deletes there while
+        this walks, and those files go their own way); a directory gone mid-walk is skipped."""
+        found = []
+        for root, dirs, files in os.walk(self.work):  # errors (a directory gone) are skipped
+            if Path(root) == self.work:
+                dirs[:] = [d for d in dirs if d != CHECKPOINTS]
+            found += [Path(root) / name for name in files]
+        return sorted(found)
+
     def _sync_files(self) -> None:
         """Upload the run's files (all but checkpoints/) that changed since their last upload."""
-        for path in sorted(self.work.rglob("*")):
+        for path in self._run_files():
             rel = path.relative_to(self.work).as_posix()
-            if rel.startswith(CHECKPOINTS + "/") or path.name.startswith(".") or not path.is_file():
-                continue  # checkpoints go their own way; dot files are write_atomic's temporaries
+            if path.name.startswith("."):
+                continue  # write_atomic's temporaries
             try:
                 st = path.stat()
             except FileNotFoundError:
