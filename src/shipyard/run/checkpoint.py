@@ -386,15 +386,19 @@ class Checkpointer:
     def _settle(self) -> None:
         """Let every earlier save finish, be hashed, retained and published (no overlap with the next)."""
         if self._manager is not None:
-            self._orbax(self._unhashed[-1] if self._unhashed else None, self._manager.wait_until_finished)
-        if self._hasher is not None:
+            self._finish_pending()
+        if self.settle is not None:
+            self.settle()
+        self._raise_failure()
+
+    def _finish_pending(self) -> None:
+        """Wait for the pending write, then for its hashing and retention (which poll starts)."""
+        self._orbax(self._unhashed[-1] if self._unhashed else None, self._manager.wait_until_finished)
+        if self._hasher is not None:  # poll starts no second hasher while one runs
             self._hasher.join()
         self.poll()
         if self._hasher is not None:
             self._hasher.join()
-        if self.settle is not None:
-            self.settle()
-        self._raise_failure()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -439,12 +443,7 @@ class Checkpointer:
         """Wait for pending writes, their checksums and retention."""
         if self._manager is not None:
             pending = self._unhashed[-1] if self._unhashed else None
-            self._orbax(pending, self._manager.wait_until_finished)
-            if self._hasher is not None:  # poll starts no second hasher while one runs
-                self._hasher.join()
-            self.poll()
-            if self._hasher is not None:
-                self._hasher.join()
+            self._finish_pending()
             manager, self._manager = self._manager, None
             self._orbax(pending, manager.close)
         self._raise_failure()

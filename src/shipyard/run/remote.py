@@ -324,6 +324,10 @@ class Publisher:
             self._cond.wait_for(lambda: self._logged >= step - 1 or self._closing)
         self._sync_files()
         publish_checkpoint(self.work, self.url, step)
+        self._retire()
+
+    def _retire(self) -> None:
+        """The keep policy over the published checkpoints."""
         for old in doomed_steps(published_steps(self.url), self.ckpt):
             unpublish_checkpoint(self.url, old)
 
@@ -333,8 +337,7 @@ class Publisher:
             self._checkpoint(step)
         # The keep policy once more: a run killed after publishing its last checkpoint but before
         # retiring older ones, then resumed there, publishes no checkpoint that would retire them.
-        for old in doomed_steps(published_steps(self.url), self.ckpt):
-            unpublish_checkpoint(self.url, old)
+        self._retire()
         self._sync_files()
         if complete:
             fault_injection.boundary("marker", redact(str(storage.join(self.url, RUN_MARKER))))
