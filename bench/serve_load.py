@@ -18,9 +18,10 @@ timeout). Measured and checked:
   the restart to the first answered request (the target is 10 s; the start-up compiles every decode
   shape and prefill length again, so for this model it is the start-up time).
 
-Run it on an otherwise idle machine. JSON to --out (default bench/results/serve_load.json).
+Run it on an otherwise idle machine. JSON to --out (default bench/results/serve_load.json); exit 1
+naming the checks that failed. tests/test_serve_load.py runs it in CI with `--shape tiny`.
 
-    .venv/bin/python bench/serve_load.py [--seconds 120] [--out bench/results/serve_load.json]
+    .venv/bin/python bench/serve_load.py [--seconds 120] [--shape small|tiny] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ import serve_throughput as bench  # noqa: E402 (the same model and server)
 
 CLIENTS = 16
 DROP = 0.3
+# --shape tiny: the same vocabulary and server, a 2-layer model (the CI test's shape: its restart
+# loads fewer programs and each decode call is short, so the 16 clients press the scheduler harder)
+SHAPES = {
+    "small": bench.SHAPE,
+    "tiny": {**bench.SHAPE, "hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4},
+}
 
 
 def rss_bytes(pid: int) -> int:
@@ -155,13 +162,14 @@ def main() -> None:
     cpu_tuning.apply_xla_flags()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=120.0, help="how long the 16 clients run")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the model's shape")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_load.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="shipyard-serveload-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         first_id = bench.write_tokenizer(run_dir / "tokenizer", Path(tmp))
-        bench.write_run(run_dir, first_id)
+        bench.write_run(run_dir, first_id, SHAPES[args.shape])
         log = Path(tmp) / "server.log"
         t0 = time.monotonic()
         proc, url = bench.start_server(run_dir, log, 8, None, False)
@@ -184,9 +192,13 @@ def main() -> None:
         "exit_0_after_restart": code == 0,
     }
     result["config"] = {"seconds": args.seconds, "clients": CLIENTS, "drop_probability": DROP}
+    result["config"] |= {"shape": args.shape, "model": SHAPES[args.shape]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    if failed:
+        raise SystemExit(f"serve_load: checks failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -115,9 +115,10 @@ def write_tokenizer(out: Path, scratch: Path) -> int:
     return len(cfg.special_tokens)
 
 
-def write_run(run_dir: Path, n_special: int) -> None:
+def write_run(run_dir: Path, n_special: int, shape: dict | None = None) -> None:
     """A shipyard run directory (config.yaml + checkpoint 1) holding random weights whose special
-    tokens can never be the argmax (their head columns are zero, see the module docstring)."""
+    tokens can never be the argmax (their head columns are zero, see the module docstring); of
+    `shape` (default SHAPE: the same vocabulary, the tokenizer is the one trained for it)."""
     import jax
 
     from shipyard.config import load_config, to_yaml
@@ -127,7 +128,9 @@ def write_run(run_dir: Path, n_special: int) -> None:
     from shipyard.train.optim import build_optimizer
     from shipyard.train.step import init_state
 
-    overrides = [f"model.{k}={v}" for k, v in SHAPE.items()] + ["model.tie_embeddings=false"]
+    shape = SHAPE if shape is None else shape
+    assert shape["vocab_size"] == SHAPE["vocab_size"], "the tokenizer is trained for SHAPE's vocabulary"
+    overrides = [f"model.{k}={v}" for k, v in shape.items()] + ["model.tie_embeddings=false"]
     cfg = load_config("small", overrides)
     specs = param_specs(cfg.model)
     params = init_params(specs, jax.random.key(0))

@@ -9,7 +9,10 @@ SIGKILLed mid-stream is started again and serves, loading its programs from the 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -117,3 +120,34 @@ def test_a_server_killed_mid_stream_restarts_from_its_compile_cache(server, serv
         assert "Persistent compilation cache hit" in log and "COMPILATION CACHE MISS" not in log, log[-3000:]
     finally:
         assert again.stop() == 0, again.log_text()
+
+
+def test_the_compile_cache_writes_beside_programs_of_an_unbounded_jax_process(tmp_path):
+    """`$JAX_COMPILATION_CACHE_DIR` is shared with training runs, which cache their programs
+    unbounded. The server's cache must still write there: JAX's size-bounded cache fails every
+    write in a directory holding a program without its access-time file, so a server that bounded
+    a shared directory cached nothing and compiled everything again on each restart."""
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from shipyard.inference.service import enable_compile_cache\n"
+        "if sys.argv[1] == 'serve':\n"
+        "    enable_compile_cache(None)\n"
+        "else:\n"
+        "    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)\n"
+        "jax.jit(lambda x: x * int(sys.argv[2]))(jnp.ones(3)).block_until_ready()\n"
+    )
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+        "XLA_FLAGS": "",
+        "SHIPYARD_NO_REEXEC": "1",
+    }
+    written = {}
+    for role, factor in (("train", 2), ("serve", 3)):
+        done = subprocess.run(
+            [sys.executable, "-c", code, role, str(factor)], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        written[role] = {p.name for p in tmp_path.glob("*-cache")}
+    assert "Error writing persistent compilation cache" not in done.stderr, done.stderr[-2000:]
+    assert written["train"] and written["serve"] > written["train"], written  # the server's program too

@@ -46,13 +46,18 @@ def enable_compile_cache(directory: str | None) -> str | None:
 
     if directory == "off":
         return None
-    directory = directory or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir("xla"))
+    own = str(cache_dir("xla"))
+    directory = directory or os.environ.get("JAX_COMPILATION_CACHE_DIR") or own
     jax.config.update("jax_compilation_cache_dir", directory)
     # every program, however quick to compile (JAX's default keeps those over 1 s): a restart then
     # compiles nothing, and a program near the threshold is not cached on one start and not the next
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if jax.config.jax_compilation_cache_max_size < 0:  # unbounded unless the user bounded it
-        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)  # least recently used go first
+    # Bounded (least recently used go first) only in shipyard's own directory. A bounded cache keeps
+    # an access-time file beside each program and fails every write in a directory holding a program
+    # without one, which any unbounded JAX process (a training run with $JAX_COMPILATION_CACHE_DIR)
+    # writes: a server sharing such a directory would then cache nothing and recompile on restart.
+    if directory == own and jax.config.jax_compilation_cache_max_size < 0:
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     return directory
 
 
