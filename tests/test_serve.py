@@ -1,5 +1,6 @@
 """`shipyard serve` against the official openai client: outputs equal `shipyard generate` / the chat model,
-continuous batching leaves greedy outputs unchanged, hostile requests are refused, SIGTERM drains."""
+continuous batching leaves greedy outputs unchanged, structured output validates against its schema,
+hostile requests are refused, SIGTERM drains."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from typing import Literal
 
 import httpx
 import openai
@@ -163,6 +165,12 @@ def _post(server, path, body, headers=None, raw=None):
     return httpx.post(server.url + path, content=content, headers=h, timeout=30)
 
 
+def _fmt(schema) -> dict:
+    """A completions request held to `schema`."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    return {"body": {"model": "tiny-chat", "prompt": "x", "response_format": fmt}}
+
+
 HOSTILE = [
     # (what, request kwargs, status, words the message must contain)
     ("not JSON", {"raw": b"{not json"}, 400, "not valid JSON"),
@@ -190,6 +198,22 @@ HOSTILE = [
     ("best_of past --max-batch", {"body": {"model": "tiny-chat", "prompt": "x", "best_of": 9}}, 400, "best_of=9 choices do not fit"),
     ("best_of in chat", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "best_of": 2}}, 400, "'best_of' is not supported"),
     ("a swap on a server without --admin-key", {"path": "/admin/swap", "body": {"path": "x"}}, 403, "--admin-key"),
+    ("a schema keyword that cannot be enforced (not)", _fmt({"not": {"type": "string"}}), 400, 'this JSON Schema cannot be enforced: Unimplemented keys: ["not"]'),
+    ("if/then", _fmt({"if": {"type": "string"}, "then": {"type": "integer"}}), 400, 'Unimplemented keys: ["if", "then"]'),
+    ("uniqueItems", _fmt({"type": "array", "uniqueItems": True}), 400, 'Unimplemented keys: ["uniqueItems"]'),
+    ("an unknown type", _fmt({"type": "strin"}), 400, "cannot be enforced: Invalid type: strin"),
+    ("a $ref to nothing", _fmt({"$ref": "#/$defs/nope"}), 400, "Pointer '/$defs/nope' does not exist"),
+    ("an unsatisfiable schema", _fmt({"type": "integer", "minimum": 5, "maximum": 1}), 400, "Unsatisfiable schema: minimum (5) is greater than maximum (1)"),
+    ("conflicting allOf", _fmt({"allOf": [{"type": "string"}, {"type": "integer"}]}), 400, "Unsatisfiable schema: incompatible types"),
+    ("a broken pattern", _fmt({"type": "string", "pattern": "(["}), 400, "regex parse error: ([ ^ error: unclosed character class"),
+    ("an unknown format", _fmt({"type": "string", "format": "zipcode"}), 400, "Unknown format: zipcode"),
+    ("response_format type xml", {"body": {"model": "tiny-chat", "prompt": "x", "response_format": {"type": "xml"}}}, 400, "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+    ("json_schema without its schema", {"body": {"model": "tiny-chat", "prompt": "x", "response_format": {"type": "json_schema"}}}, 400, "json_schema is given exactly when type is 'json_schema'"),
+    ("a schema that is not an object", {"body": {"model": "tiny-chat", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}}, 400, "response_format.json_schema.schema: Input should be a valid dictionary"),
+    ("response_format a string", {"body": {"model": "tiny-chat", "prompt": "x", "response_format": "json"}}, 400, "response_format: Input should be a valid dictionary"),
+    ("an unknown response_format field", {"body": {"model": "tiny-chat", "prompt": "x", "response_format": {"type": "json_object", "mode": "fast"}}}, 400, "response_format.mode: Extra inputs are not permitted"),
+    ("response_format with ignore_eos", {"body": {"model": "tiny-chat", "prompt": "x", "ignore_eos": True, "response_format": {"type": "json_object"}}}, 400, "response_format cannot be combined with ignore_eos"),
+    ("a chat schema that cannot be enforced", {"path": "/v1/chat/completions", "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "dependentSchemas": {"a": {}}}}}}}, 400, 'Unimplemented keys: ["dependentSchemas"]'),
 ]  # fmt: skip
 
 
@@ -308,6 +332,148 @@ def test_metrics_count_what_the_requests_did(server, client):
     assert after[("shipyard_free_slots",)] == after[("shipyard_max_slots",)] == 8
     assert after[("shipyard_active_slots",)] == after[("shipyard_queue_depth",)] == 0
     assert after[("shipyard_kv_cache_tokens",)] == after[("shipyard_kv_cache_usage_ratio",)] == 0
+
+
+# -- structured output ---------------------------------------------------------------------------
+
+SCHEMAS = {
+    "flat object": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "enum and boolean": {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["colour", "ok"],
+        "additionalProperties": False,
+    },
+    "nested array of objects": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}, "tag": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+                    "required": ["id", "tag"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    "nullable and anyOf": {
+        "type": "object",
+        "properties": {"value": {"anyOf": [{"type": "number", "minimum": -5, "maximum": 5}, {"type": "null"}]}, "unit": {"const": "kg"}},
+        "required": ["value", "unit"],
+        "additionalProperties": False,
+    },
+    "a recursive tree (depth bounded by max_tokens)": {
+        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/node"}}}, "required": ["kids"], "additionalProperties": False}},
+        "$ref": "#/$defs/node",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", list(SCHEMAS))
+def test_every_structured_reply_validates_against_its_schema(client, what):
+    """A prose model held to a JSON Schema, sampled (4 choices, two temperatures) and greedy, in chat
+    and completions: every reply ends by itself ("stop") within the bound the schema implies (a
+    sampled recursive tree may not), and parses and validates (jsonschema, not the grammar library);
+    streamed greedy text equals the non-streamed reply."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = SCHEMAS[what]
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Kabel lodor"}]
+    replies = []
+    for temperature in (0.0, 1.0):
+        r = client.chat.completions.create(
+            model="tiny-chat", messages=messages, response_format=fmt, n=1 if temperature == 0 else 4,
+            temperature=temperature, seed=3, max_tokens=160,
+        )  # fmt: skip
+        replies += [(c.message.content, c.finish_reason) for c in r.choices]
+    c = client.completions.create(
+        model="tiny-chat",
+        prompt="Simon",
+        max_tokens=160,
+        temperature=0.7,
+        n=2,
+        extra_body={"response_format": fmt},
+    )
+    replies += [(x.text, x.finish_reason) for x in c.choices]
+    for text, finish in replies:
+        if finish == "length" and "$defs" in schema:
+            continue  # a sampled tree may grow past max_tokens (cut replies are not JSON, as at OpenAI)
+        assert finish == "stop", (what, text, finish)
+        jsonschema.validate(json.loads(text), schema)
+    assert sum(finish == "stop" for _, finish in replies) >= len(replies) // 2, replies
+    greedy = replies[0][0]
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="tiny-chat",
+            messages=messages,
+            response_format=fmt,
+            temperature=0,
+            max_tokens=160,
+            stream=True,
+        )
+        if chunk.choices
+    )
+    assert streamed == greedy
+
+
+def test_json_object_replies_are_json_objects_and_plain_rows_beside_them_are_unchanged(server, client):
+    """json_object: any JSON object (string lengths bounded here only by max_tokens; a reply that ends
+    parses). Plain requests decoding in the same batch as structured ones get their usual greedy
+    text (each batch call is then one token, the same arithmetic)."""
+    plain = {"model": "tiny-chat", "max_tokens": 24, "temperature": 0}
+    alone = [client.completions.create(prompt=p, **plain).choices[0].text for p in PROMPTS[:3]]
+    fmt = {"type": "json_object"}
+    results: dict = {}
+
+    def structured(i: int) -> None:
+        results[i] = client.completions.create(
+            model="tiny-chat", prompt=PROMPTS[i], max_tokens=200, temperature=1.0, seed=i,
+            n=2, extra_body={"response_format": fmt},
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=structured, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    beside = [client.completions.create(prompt=p, **plain).choices[0].text for p in PROMPTS[:3]]
+    for t in threads:
+        t.join()
+    assert beside == alone
+    ended = [c.text for r in results.values() for c in r.choices if c.finish_reason == "stop"]
+    assert ended, [c.finish_reason for r in results.values() for c in r.choices]
+    assert all(isinstance(json.loads(text), dict) for text in ended)
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
+    """`client.chat.completions.parse(response_format=Model)`: the openai package turns a pydantic
+    model into a strict json_schema and parses the reply back into it."""
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=10)
+        legs: int = Field(ge=0, le=8)
+        kind: Literal["cat", "dog", "bird"]
+
+    r = client.chat.completions.parse(
+        model="tiny-chat",
+        messages=[{"role": "user", "content": "Zugat"}],
+        response_format=Pet,
+        max_tokens=80,
+        temperature=0,
+    )
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop", r
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,9 @@ class Request:
     cancelled: bool = False
     weights: str | None = None
     """The fingerprint of the weights it runs on (`Engine.swap`), set when it is queued."""
+    constraint: object | None = None
+    """Structured output (`grammar.Constraint`): `mask()` gives the tokens allowed next (uint32 bit
+    words), `advance(token)` is told each token picked. Such a request decodes one token per call."""
 
     def cancel(self) -> None:
         """Stop generating (a client went away, a stop string matched): the slot is freed at the next step."""
@@ -155,6 +158,19 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int = TOP_LOGPROBS
     return chosen, best, ids.astype(jnp.int32)
 
 
+def restrict(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """`logits` [batch, vocab] with every token whose bit is clear in `allowed` [batch, words]
+    (uint32, token t is bit t % 32 of word t // 32) set to -inf."""
+    ids = jnp.arange(logits.shape[-1])
+    bits = (allowed[:, ids // 32] >> (ids % 32).astype(jnp.uint32)) & 1
+    return jnp.where(bits.astype(bool), logits, -jnp.inf)
+
+
+def _restricted(logits, allowed, masked):
+    """`restrict` when `masked` (traced), else the logits as they are (no mask arithmetic)."""
+    return jax.lax.cond(masked, restrict, lambda x, _: x, logits, allowed)
+
+
 def _no_logprobs(logits, tokens, top: int = TOP_LOGPROBS):
     B = tokens.shape[0]
     return jnp.zeros(B), jnp.zeros((B, top)), jnp.zeros((B, top), jnp.int32)
@@ -166,6 +182,8 @@ def _decode_steps(
     caches,
     want_logprobs,
     steps,
+    allowed,
+    masked,
     *,
     forward,
     chunk,
@@ -184,13 +202,24 @@ def _decode_steps(
     would be idle rows and empty slots. `axes` gives each cache array's (row,
     slot) axes by its field name ("k" or "v"). `plain` (static): every row is
     greedy and none wants log-probs, so each step is the argmax alone (see
-    `Engine._tick`).
+    `Engine._tick`). `allowed` [max_batch, words] restricts the first step's pick when `masked`
+    (structured output; `restrict`); the log-probs stay the model's own.
     """
     full_rows, full_caches = rows, caches
     rows = jax.tree.map(lambda x: x[:n_rows], rows)
     caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
     out, rows, caches = _steps(
-        weights, rows, caches, want_logprobs, steps, forward=forward, chunk=chunk, span=span, plain=plain
+        weights,
+        rows,
+        caches,
+        want_logprobs,
+        steps,
+        allowed[:n_rows],
+        masked,
+        forward=forward,
+        chunk=chunk,
+        span=span,
+        plain=plain,
     )
     rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
     caches = _map_cache(
@@ -214,7 +243,20 @@ def _map_cache(fn, caches, *others):
     return jax.tree.unflatten(treedef, out)
 
 
-def _steps(weights, rows: Rows, caches, want_logprobs, steps, *, forward, chunk: int, span: int, plain: bool):
+def _steps(
+    weights,
+    rows: Rows,
+    caches,
+    want_logprobs,
+    steps,
+    allowed,
+    masked,
+    *,
+    forward,
+    chunk: int,
+    span: int,
+    plain: bool,
+):
     B = rows.last.shape[0]
 
     def body(i, carry):
@@ -222,7 +264,12 @@ def _steps(weights, rows: Rows, caches, want_logprobs, steps, *, forward, chunk:
         logits, caches = forward(weights, rows.last[:, None], caches, rows.pos, rows.start)
         logits = logits[:, -1]
         tokens, key = pick_tokens(
-            logits, rows.key, rows.temperature, rows.top_k, rows.top_p, may_sample=not plain
+            _restricted(logits, allowed, masked & (i == 0)),
+            rows.key,
+            rows.temperature,
+            rows.top_k,
+            rows.top_p,
+            may_sample=not plain,
         )
         if plain:  # no sampling and no log-prob branch in the program
             chosen, best, ids = _no_logprobs(logits, tokens)
@@ -254,6 +301,8 @@ def _admit(
     slots,
     count,
     settings,
+    allowed,
+    masked,
     *,
     cfg,
     max_len,
@@ -268,14 +317,17 @@ def _admit(
     So n samples of one prompt cost one prefill, and each samples its own first token.
 
     Returns (first tokens [k], their logprobs, rows, caches). `settings` is (temperature, top_k,
-    top_p, key), each [k], of the requests. `plain` (static): every request is greedy and none wants
+    top_p, key), each [k], of the requests; `allowed` [k, words] restricts their first tokens when
+    `masked` (structured output). `plain` (static): every request is greedy and none wants
     log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
     """
     temperature, top_k, top_p, key = settings
     cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
     logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
     logits = logits[:, -1][src]
-    token, key = pick_tokens(logits, key, temperature, top_k, top_p, may_sample=not plain)
+    token, key = pick_tokens(
+        _restricted(logits, allowed, masked), key, temperature, top_k, top_p, may_sample=not plain
+    )
     logprobs = _no_logprobs(logits, token) if plain else token_logprobs(logits, token)
     prefilled = to_decode(cache)
 
@@ -379,6 +431,9 @@ class Engine:
             compiler_options=decode_compiler_options(self.params),
         )
         self.tokens_per_call = tokens_per_call
+        self.mask_words = -(-cfg.vocab_size // 32)
+        """uint32 words of a token mask (`Request.constraint`)."""
+        self._open: dict[int, jax.Array] = {}  # all-allowed masks by row count, kept on the device
         self._pos = [0] * max_batch  # each slot's cache position as the host knows it (busy slots: exact)
         self._slots: list[Request | None] = [None] * max_batch
         self._pending: queue.SimpleQueue[Request | list[Request] | None] = queue.SimpleQueue()
@@ -524,6 +579,8 @@ class Engine:
                 self._caches,
                 np.bool_(False),
                 np.int32(self.tokens_per_call),
+                self._open_mask(self.max_batch),
+                np.bool_(False),
                 n_rows=n_rows,
                 span=span,
             )
@@ -541,7 +598,17 @@ class Engine:
             )
             src, slots = jnp.zeros(k, jnp.int32), jnp.full(k, self.max_batch, jnp.int32)
             token, _, self._rows, self._caches = self._admit(
-                self.params, self._rows, self._caches, tokens, start, src, slots, np.int32(0), settings
+                self.params,
+                self._rows,
+                self._caches,
+                tokens,
+                start,
+                src,
+                slots,
+                np.int32(0),
+                settings,
+                self._open_mask(k),
+                np.bool_(False),
             )
             jax.block_until_ready(token)
             if on_shape is not None:
@@ -688,36 +755,70 @@ class Engine:
 
     def _tick(self) -> None:
         """Queue a decode call for the busy rows, then deliver the previous call's tokens (so the device
-        computes the next chunk while the host hands out the last one)."""
-        queued = None
+        computes the next chunk while the host hands out the last one).
+
+        While a structured reply (`Request.constraint`) runs, its next token's mask depends on the
+        token before, so each call is one step, delivered before the next is queued (the rows
+        beside it get one token a call meanwhile)."""
         for r in self._slots:  # a cancelled row frees its slot now, whether or not a call is in flight
             if r is not None and r.cancelled and not r.finished:
                 self._finish(r, [], [], "cancelled")
-        steps = self._steps_needed()
-        if steps:
-            n_rows, span = self.shape(steps)
-            busy = [r for r in self._slots[:n_rows] if r is not None]
-            want = any(r.sampling.logprobs for r in busy)
-            # A started engine (a server) runs the general program, compiled ahead for every shape; the
-            # synchronous client (generate, chat, lm-eval) compiles what it needs, and for greedy rows
-            # without log-probs that is the argmax alone: half the compile time of the general step.
-            plain = self._thread is None and not want and all(r.sampling.temperature <= 0 for r in busy)
-            out, self._rows, self._caches = self._decode(
-                self.decode_weights,
-                self._rows,
-                self._caches,
-                np.bool_(want),
-                np.int32(steps),
-                n_rows=n_rows,
-                span=span,
-                plain=plain,
-            )
-            queued = (out, list(self._slots[:n_rows]), steps)
-            for b in range(n_rows):
-                self._pos[b] = min(self._pos[b] + steps, span - 1)
+        if any(r is not None and r.constraint is not None for r in self._slots):
+            if self._in_flight is not None:
+                self._deliver(*self._in_flight)
+                self._in_flight = None
+            queued = self._call(min(self._steps_needed(), 1), constrained=True)
+            if queued is not None:
+                self._deliver(*queued)
+            return
+        queued = self._call(self._steps_needed())
         if self._in_flight is not None:
             self._deliver(*self._in_flight)
         self._in_flight = queued
+
+    def _call(self, steps: int, constrained: bool = False):
+        """Queue one decode call of `steps` steps over the busy rows: (outputs, the request in each row,
+        steps), or None when no row needs a step. `constrained`: the first step is restricted to each
+        structured row's allowed tokens."""
+        if not steps:
+            return None
+        n_rows, span = self.shape(steps)
+        busy = [r for r in self._slots[:n_rows] if r is not None]
+        want = any(r.sampling.logprobs for r in busy)
+        # A started engine (a server) runs the general program, compiled ahead for every shape; the
+        # synchronous client (generate, chat, lm-eval) compiles what it needs, and for greedy rows
+        # without log-probs that is the argmax alone: half the compile time of the general step.
+        plain = self._thread is None and not want and all(r.sampling.temperature <= 0 for r in busy)
+        allowed = self._masks(self._slots, self.max_batch) if constrained else self._open_mask(self.max_batch)
+        out, self._rows, self._caches = self._decode(
+            self.decode_weights,
+            self._rows,
+            self._caches,
+            np.bool_(want),
+            np.int32(steps),
+            allowed,
+            np.bool_(constrained),
+            n_rows=n_rows,
+            span=span,
+            plain=plain,
+        )
+        for b in range(n_rows):
+            self._pos[b] = min(self._pos[b] + steps, span - 1)
+        return out, list(self._slots[:n_rows]), steps
+
+    def _open_mask(self, rows: int) -> jax.Array:
+        """An all-allowed mask of `rows` rows (on the device, made once per row count)."""
+        if rows not in self._open:
+            self._open[rows] = jnp.full((rows, self.mask_words), 0xFFFFFFFF, jnp.uint32)
+        return self._open[rows]
+
+    def _masks(self, requests: Sequence[Request | None], rows: int) -> jax.Array:
+        """Each structured request's allowed next tokens in its row, all allowed in the others."""
+        allowed = np.full((rows, self.mask_words), 0xFFFFFFFF, np.uint32)
+        for b, r in enumerate(requests):
+            if r is not None and r.constraint is not None and not r.finished:
+                allowed[b] = r.constraint.mask()
+        return jnp.asarray(allowed)
 
     def _steps_needed(self) -> int:
         """Decode steps the next call runs: up to `tokens_per_call`, as many as the busy row furthest from
@@ -821,6 +922,7 @@ class Engine:
         plain = self._thread is None and all(
             r.sampling.temperature <= 0 and not r.sampling.logprobs for r in requests
         )
+        constrained = any(r.constraint is not None for r in requests)
         token, logprobs, self._rows, self._caches = self._admit(
             self.params,
             self._rows,
@@ -831,6 +933,8 @@ class Engine:
             jnp.asarray(slots),
             np.int32(len(requests)),
             settings,
+            self._masks(requests, n) if constrained else self._open_mask(n),
+            np.bool_(constrained),
             plain=plain,
         )
         token = np.asarray(token).tolist()
@@ -867,6 +971,14 @@ class Engine:
             if finish:
                 tokens, logprobs = tokens[:n], logprobs[:n]
                 break
+        if request.constraint is not None:
+            try:
+                for t in tokens:
+                    request.constraint.advance(t)
+            except Exception:  # a grammar that cannot go on: the reply ends as an error, never unconstrained
+                log.exception("structured output failed")
+                self._finish(request, [], [], "error")
+                return
         request.generated += len(tokens)
         if finish:
             self._finish(request, tokens, logprobs, finish)

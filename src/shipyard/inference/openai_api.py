@@ -2,7 +2,7 @@
 
 Strict: a number where a string is expected (or "0.7" where a number is) is
 an error, not a guess. Fields OpenAI defines that shipyard does not implement
-(penalties, logit_bias, tools, response_format, best_of in chat) are refused
+(penalties, logit_bias, tools, best_of in chat) are refused
 with a 400 naming them rather than silently ignored, so a client never gets behaviour it did
 not ask for; other unknown fields are ignored (clients send extras such as
 `user`), and listed in the server log.
@@ -50,6 +50,41 @@ class StreamOptions(BaseModel):
     """Send a last chunk with the token counts before [DONE]."""
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's shape."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[StrictStr, Field(max_length=64)] | None = None
+    description: StrictStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    """The JSON Schema every reply must validate against (default: any JSON value)."""
+    strict: StrictBool | None = None
+    """Accepted for OpenAI's clients; shipyard always enforces the whole schema or refuses it."""
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: plain text, any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is given exactly when type is 'json_schema'")
+        return self
+
+    def openai(self) -> dict:
+        """The format as OpenAI spells it (what `grammar.Grammars.compile` reads)."""
+        out: dict = {"type": self.type}
+        if self.json_schema is not None:
+            out["json_schema"] = {
+                "schema": self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+            }
+        return out
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
@@ -78,8 +113,11 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] | None = None
     frequency_penalty: Literal[0, 0.0] | None = None
+    response_format: ResponseFormat | None = None
+    """Hold every reply to JSON (`json_object`) or to a JSON Schema (`json_schema`), token by token
+    (inference/grammar.py); a schema that cannot be enforced whole is a 400."""
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias", "tools", "functions", "suffix", "response_format")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias", "tools", "functions", "suffix")
     """OpenAI fields refused with a 400 naming them (rather than ignored)."""
 
     @model_validator(mode="before")

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 
 from shipyard.inference.detokenize import IncrementalText
 from shipyard.inference.engine import Engine, Request
+from shipyard.inference.grammar import GrammarError, Grammars, grammars_for
 from shipyard.inference.hot_swap import SwapBusy, Swapper, SwapRefused
 from shipyard.inference.metrics import CONTENT_TYPE, ServeMetrics
 from shipyard.inference.openai_api import (
@@ -82,6 +83,8 @@ class Service:
     """What GET /metrics reports (made by `create_app` when not given)."""
     swapper: Swapper | None = None
     """Loads new weights for POST /admin/swap and `--watch` (None: this server cannot swap)."""
+    grammars: Grammars | None = None
+    """The tokenizer as the structured-output engine sees it (made at the first `response_format`)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -114,12 +117,21 @@ class _Job:
     The n choices of one prompt are one group (`Engine.submit_group`: one prefill); `_submit` queues
     every group of an HTTP request at once."""
 
-    def __init__(self, service: Service, prompt: list[int], sampling: Sampling, stops, hidden):
+    def __init__(
+        self,
+        service: Service,
+        prompt: list[int],
+        sampling: Sampling,
+        stops,
+        hidden,
+        grammar: str | None = None,
+    ):
         self.group: list[_Job] = [self]
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = IncrementalText(service.decode, stops, hidden)
-        self.request = Request(prompt, sampling, self._on_tokens)
+        constraint = None if grammar is None else service.grammars.constraint(grammar, sampling.stop_ids)
+        self.request = Request(prompt, sampling, self._on_tokens, constraint=constraint)
         self.tokens: list[int] = []
         self.chosen: list[float] = []  # the log-probs of the kept tokens, when the request asked for them
         self.service = service
@@ -158,6 +170,30 @@ class _Job:
             if not self.request.finished and not self.text.stopped:
                 log.info("client went away after %d tokens: request cancelled", len(self.tokens))
             self.request.cancel()  # frees the slot at the next step (a no-op once finished)
+
+
+def _end_ids(service: Service) -> tuple[int, ...]:
+    """Every id a reply of this server may end with (chat's end-of-turn ids and the eos ids)."""
+    return tuple(
+        dict.fromkeys((*(service.chat.end_ids if service.chat is not None else ()), *service.eos_ids))
+    )
+
+
+def _grammar(service: Service, body, end_ids) -> str | None:
+    """The compiled `response_format` of a request (None: plain text); a 400 naming what cannot be
+    enforced."""
+    if body.response_format is None or body.response_format.type == "text":
+        return None
+    if body.ignore_eos:
+        raise ApiError(
+            "response_format cannot be combined with ignore_eos (a JSON reply must end)", param="ignore_eos"
+        )
+    if service.grammars is None:
+        service.grammars = grammars_for(service.tok.to_str(), service.engine.cfg.vocab_size, end_ids)
+    try:
+        return service.grammars.compile(body.response_format.openai())
+    except GrammarError as e:
+        raise ApiError(str(e), param="response_format") from None
 
 
 def _submit(service: Service, jobs: list[_Job]):
@@ -417,6 +453,7 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     t0 = time.perf_counter()
     want_lp = body.logprobs is not None or k > body.n  # best_of ranks by the chosen tokens' log-probs
+    grammar = _grammar(service, body, _end_ids(service))
     jobs = _grouped(
         [
             _Job(
@@ -425,6 +462,7 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
                 _sampling(service, body, body.max_tokens, service.eos_ids, want_lp, j),
                 body.stops(),
                 service.eos_ids,
+                grammar,
             )
             for p in prompts
             for j in range(k)
@@ -578,6 +616,7 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     _context_check(service, len(prompt), max_tokens)
     stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
     _n_check(service, body.n)
+    grammar = _grammar(service, body, _end_ids(service))
     jobs = _grouped(
         [
             _Job(
@@ -586,6 +625,7 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
                 _sampling(service, body, max_tokens, stop_ids, bool(body.logprobs), j),
                 body.stops(),
                 stop_ids,
+                grammar,
             )
             for j in range(body.n)
         ],
