@@ -780,7 +780,9 @@ class Engine:
         """Queue one decode call of `steps` steps over the busy rows: (outputs, the request in each row,
         steps), or None when no row needs a step. `constrained`: the first step is restricted to each
         structured row's allowed tokens."""
-        if not steps:
+        # (the masks first: a structured reply whose grammar fails ends there and frees its row)
+        allowed = self._masks(self._slots, self.max_batch) if constrained else self._open_mask(self.max_batch)
+        if not steps or not any(self._slots):
             return None
         n_rows, span = self.shape(steps)
         busy = [r for r in self._slots[:n_rows] if r is not None]
@@ -789,7 +791,6 @@ class Engine:
         # synchronous client (generate, chat, lm-eval) compiles what it needs, and for greedy rows
         # without log-probs that is the argmax alone: half the compile time of the general step.
         plain = self._thread is None and not want and all(r.sampling.temperature <= 0 for r in busy)
-        allowed = self._masks(self._slots, self.max_batch) if constrained else self._open_mask(self.max_batch)
         out, self._rows, self._caches = self._decode(
             self.decode_weights,
             self._rows,
@@ -813,11 +814,16 @@ class Engine:
         return self._open[rows]
 
     def _masks(self, requests: Sequence[Request | None], rows: int) -> jax.Array:
-        """Each structured request's allowed next tokens in its row, all allowed in the others."""
+        """Each structured request's allowed next tokens in its row, all allowed in the others. A
+        request whose grammar fails ends with "error" (its row is then ignored), never the loop."""
         allowed = np.full((rows, self.mask_words), 0xFFFFFFFF, np.uint32)
-        for b, r in enumerate(requests):
+        for b, r in enumerate(list(requests)):
             if r is not None and r.constraint is not None and not r.finished:
-                allowed[b] = r.constraint.mask()
+                try:
+                    allowed[b] = r.constraint.mask()
+                except Exception:
+                    log.exception("structured output failed")
+                    self._finish(r, [], [], "error")
         return jnp.asarray(allowed)
 
     def _steps_needed(self) -> int:
@@ -940,6 +946,8 @@ class Engine:
         token = np.asarray(token).tolist()
         host = [np.asarray(x) for x in logprobs] if any(r.sampling.logprobs for r in requests) else None
         for i, (r, slot) in enumerate(zip(requests, free)):
+            if r.finished:  # its grammar failed before its first token
+                continue
             self._slots[slot], self._pos[slot] = r, P
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
             self._take(r, [token[i]], [lp if r.sampling.logprobs else None])

@@ -49,6 +49,8 @@ class Grammars:
     have no text and are never allowed)."""
     end_ids: tuple[int, ...]
     """Every id the server may end a reply with: a reply's own stop ids replace them in its mask."""
+    words: int
+    """uint32 words of a mask over the model's logits (the tokenizer may name more or fewer ids)."""
 
     def compile(self, response_format: dict) -> str | None:
         """The grammar for an OpenAI `response_format` (None: plain text), or GrammarError."""
@@ -67,8 +69,17 @@ def grammars_for(tokenizer_json: str, vocab_size: int, end_ids) -> Grammars:
     """`Grammars` for a `tokenizers` tokenizer (its JSON) serving a model of `vocab_size` logits."""
     import llguidance
 
-    llt = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(end_ids), slices=None)
-    return Grammars(llt, tuple(end_ids))
+    from tokenizers import Tokenizer
+
+    # llguidance wants every id the tokenizer names; the masks are then cut to the model's logits
+    n_ids = max(vocab_size, Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True))
+    try:
+        llt = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_ids, eos_token=list(end_ids), slices=None)
+    except ValueError as e:  # e.g. a tokenizer without a decoder: token bytes unknown
+        raise GrammarError(
+            f"response_format: this model's tokenizer cannot be used for structured output ({e})"
+        ) from None
+    return Grammars(llt, tuple(end_ids), mask_words(vocab_size))
 
 
 @functools.lru_cache(maxsize=256)  # clients send the same few schemas again and again
@@ -111,14 +122,17 @@ class Constraint:
         self._matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(f"response_format: {self._matcher.get_error()}")
-        words = mask_words(grammars.tokenizer.vocab_size)
+        self.words = words = grammars.words
         self._ends = _bits(grammars.end_ids, words)
         self._stops = _bits(stop_ids, words)
 
     def mask(self) -> np.ndarray:
         """The allowed next tokens, uint32 [words] (a set bit allows its token). The grammar's end ids
         are replaced by this reply's stop ids, allowed only where the grammar may end."""
-        allowed = np.frombuffer(self._matcher.compute_bitmask(), np.uint32) & ~self._ends
+        allowed = np.zeros(self.words, np.uint32)
+        computed = np.frombuffer(self._matcher.compute_bitmask(), np.uint32)[: self.words]
+        allowed[: len(computed)] = computed  # ids past the model's logits (added tokens) cannot be picked
+        allowed &= ~self._ends
         if self._matcher.is_accepting():
             allowed = allowed | self._stops
         return allowed

@@ -188,9 +188,9 @@ def _grammar(service: Service, body, end_ids) -> str | None:
         raise ApiError(
             "response_format cannot be combined with ignore_eos (a JSON reply must end)", param="ignore_eos"
         )
-    if service.grammars is None:
-        service.grammars = grammars_for(service.tok.to_str(), service.engine.cfg.vocab_size, end_ids)
     try:
+        if service.grammars is None:
+            service.grammars = grammars_for(service.tok.to_str(), service.engine.cfg.vocab_size, end_ids)
         return service.grammars.compile(body.response_format.openai())
     except GrammarError as e:
         raise ApiError(str(e), param="response_format") from None

@@ -1,0 +1,129 @@
+"""What the serving features cost: structured output at 16 clients, against the same load unconstrained.
+
+The model and server are bench/serve_throughput.py's (a random model of the `small` preset's shape,
+8192-token BPE tokenizer, `--max-batch 16 --max-len 256`). For `--seconds` per mode, 16 client
+threads send completions one after the other (prompt: 20..60 random ids, `max_tokens` 128,
+temperature 0.7, a seed per request):
+
+- plain: no response_format;
+- structured: `response_format` json_schema, cycling through bench/json_schemas.py's 60 schemas.
+
+Reported per mode: requests, completion tokens, aggregate tokens/s; for structured also the replies
+that ended ("stop") and how many of them parse and validate against their schema (`jsonschema`),
+and those cut at max_tokens. The cost is 1 - structured tokens/s / plain tokens/s (target <= 10%).
+Other features of issue 30 (prefix cache, speculation) are not built yet and not measured here.
+
+    .venv/bin/python bench/serve_features.py [--seconds 60] [--out bench/results/serve_features.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import json_schemas  # noqa: E402
+import serve_throughput as bench  # noqa: E402 (the same model and server)
+
+CLIENTS = 16
+MAX_TOKENS = 128
+
+
+def run_mode(url: str, seconds: float, first_id: int, structured: bool) -> dict:
+    import jsonschema
+
+    schemas = list(json_schemas.schemas().values())
+    counts = {"requests": 0, "tokens": 0, "stop": 0, "length": 0, "valid": 0, "invalid": 0, "failed": 0}
+    lock, stop_at = threading.Lock(), time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        rng = random.Random(i)
+        with httpx.Client(timeout=120) as http:
+            k = i
+            while time.monotonic() < stop_at:
+                prompt = [
+                    rng.randrange(first_id, bench.SHAPE["vocab_size"]) for _ in range(rng.randint(20, 60))
+                ]
+                body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS}
+                body |= {"temperature": 0.7, "seed": rng.randrange(1 << 30)}
+                schema = schemas[k % len(schemas)]
+                k += CLIENTS
+                if structured:
+                    body["response_format"] = {
+                        "type": "json_schema",
+                        "json_schema": {"name": "s", "schema": schema},
+                    }
+                r = http.post(url + "/v1/completions", json=body)
+                with lock:
+                    counts["requests"] += 1
+                    if r.status_code != 200:
+                        counts["failed"] += 1
+                        continue
+                    out = r.json()
+                    counts["tokens"] += out["usage"]["completion_tokens"]
+                    choice = out["choices"][0]
+                    counts[choice["finish_reason"]] = counts.get(choice["finish_reason"], 0) + 1
+                if structured and choice["finish_reason"] == "stop":
+                    try:
+                        jsonschema.validate(json.loads(choice["text"]), schema)
+                        ok = True
+                    except (ValueError, jsonschema.ValidationError):
+                        ok = False
+                    with lock:
+                        counts["valid" if ok else "invalid"] += 1
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {**counts, "seconds": round(wall, 2), "tokens_per_s": round(counts["tokens"] / wall, 1)}
+
+
+def main() -> None:
+    from shipyard import cpu_tuning
+
+    cpu_tuning.reexec_with_fast_allocator()
+    cpu_tuning.apply_xla_flags()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long each mode runs")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serve_features.json"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="shipyard-servefeatures-") as tmp:
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        first_id = bench.write_tokenizer(run_dir / "tokenizer", Path(tmp))
+        bench.write_run(run_dir, first_id)
+        proc, url = bench.start_server(run_dir, Path(tmp) / "server.log", 8, None, False)
+        try:
+            run_mode(url, 5, first_id, True)  # warm-up: the grammar tokenizer, allocators
+            plain = run_mode(url, args.seconds, first_id, False)
+            structured = run_mode(url, args.seconds, first_id, True)
+        finally:
+            bench.stop_server(proc)
+    result = {
+        "structured_output": {
+            "plain": plain,
+            "structured": structured,
+            "cost": round(1 - structured["tokens_per_s"] / plain["tokens_per_s"], 3),
+            "valid_fraction_of_ended": round(structured["valid"] / max(structured["stop"], 1), 4),
+        },
+        "config": {"seconds": args.seconds, "clients": CLIENTS, "max_tokens": MAX_TOKENS, "schemas": 60},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
