@@ -476,6 +476,181 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
     assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop", r
 
 
+# -- tool calls ----------------------------------------------------------------------------------
+
+# A Hermes/Qwen-style template (tools named in the system turn, calls in <tool_call> blocks) over
+# the fixture tokenizer's own role tokens; short, as the fixture model's context is 256 tokens.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|system|>Call with <tool_call>: "
+    "{% for t in tools %}{{ t.function.name }} {% endfor %}<|end|>{% endif -%}"
+    "{%- for m in messages %}<|{{ 'user' if m.role == 'tool' else m.role }}|>"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}</tool_call>{% endfor %}'
+    "{%- else %}{{ m.content }}{% endif %}<|end|>{% endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif -%}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_server(run_dir, tmp_path_factory):
+    """The same model and flags as `server` (its programs come from the compile cache), with a
+    tokenizer directory whose HF chat template renders tools in the Hermes family's format."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("tools")
+    shutil.copytree(run_dir.parent / "tok", d / "tok")
+    (d / "tok" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    flags = (
+        "--max-batch",
+        "8",
+        "--model-name",
+        "tiny-chat",
+        "--tokenizer",
+        str(d / "tok"),
+        "--template",
+        "hf",
+    )
+    with running_server(run_dir, d / "server.log", *flags, api_key=KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _streamed_calls(stream) -> tuple[dict, str | None]:
+    calls, finish = {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                calls[d.index]["id"] += d.id or ""
+                calls[d.index]["name"] += d.function.name or ""
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return calls, finish
+
+
+def test_a_named_tool_choice_returns_a_call_whose_arguments_fit_its_schema(tool_client):
+    """tool_choice naming a function: the reply is held to its parameters, returned as one call
+    (finish "tool_calls", no content); sampled with n=3 each validates; the streamed deltas
+    reassemble to exactly the non-streamed calls (ids aside, which are per request)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    kw = dict(
+        model="tiny-chat", messages=[{"role": "user", "content": "Weather in Kabel?"}], tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "weather"}}, max_tokens=80,
+    )  # fmt: skip
+    r = tool_client.chat.completions.create(temperature=0, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed, finish = _streamed_calls(tool_client.chat.completions.create(temperature=0, stream=True, **kw))
+    assert finish == "tool_calls" and len(streamed) == 1
+    assert (streamed[0]["name"], streamed[0]["arguments"]) == (call.function.name, call.function.arguments)
+    sampled = tool_client.chat.completions.create(temperature=1.0, n=3, seed=4, **kw)
+    for c in sampled.choices:
+        jsonschema.validate(
+            json.loads(c.message.tool_calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"]
+        )
+
+
+def test_required_returns_one_or_more_calls_of_the_offered_tools(tool_client):
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = {"weather": WEATHER_TOOL, "time": TIME_TOOL}
+    r = tool_client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Zugat"}], tools=list(tools.values()),
+        tool_choice="required", max_tokens=120, temperature=1.0, seed=1, n=2,
+    )  # fmt: skip
+    for choice in r.choices:
+        if choice.finish_reason == "length":
+            continue  # a sampled list of calls may run past max_tokens
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(
+                json.loads(call.function.arguments), tools[call.function.name]["function"]["parameters"]
+            )
+    assert any(c.finish_reason == "tool_calls" for c in r.choices)
+
+
+def test_auto_shows_the_tools_to_the_model_and_a_prose_reply_stays_text(tool_client, tool_server):
+    """auto: the template renders the tools into the prompt (more prompt tokens than without); this
+    prose model answers in prose, returned as content; a conversation carrying an assistant's calls
+    and a tool's result renders and is answered."""
+    messages = [{"role": "user", "content": "Kabel lodor"}]
+    plain = tool_client.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=12, temperature=0
+    )
+    r = tool_client.chat.completions.create(
+        model="tiny-chat", messages=messages, tools=[WEATHER_TOOL], max_tokens=12, temperature=0
+    )
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 5
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    turn = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+    ]  # fmt: skip
+    again = tool_client.chat.completions.create(
+        model="tiny-chat", messages=turn, tools=[WEATHER_TOOL], max_tokens=8, temperature=0
+    )
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+TOOL_HOSTILE = [
+    ("a tool whose parameters cannot be enforced", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, 'tools[0].function.parameters: this JSON Schema cannot be enforced: Unimplemented keys: ["not"]'),
+    ("a tool whose parameters are not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.function.parameters: Input should be a valid dictionary"),
+    ("a function name with spaces", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.function.name: String should match pattern"),
+    ("two tools of one name", {"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "function names must be unique"),
+    ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice needs tools"),
+    ("tool_choice naming a tool not offered", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice names 'time', which is not among the tools ['weather']"),
+    ("a tool of another type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.type: Input should be 'function'"),
+    ("tools with a JSON response_format", {"tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}}, "tools and a JSON response_format cannot be combined"),
+    ("a tool_choice of another kind", {"tools": [WEATHER_TOOL], "tool_choice": "always"}, "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, extra, words", TOOL_HOSTILE, ids=[h[0] for h in TOOL_HOSTILE])
+def test_bad_tool_requests_are_400s_naming_the_part(tool_server, what, extra, words):
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], **extra}
+    r = _post(tool_server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"], r.json()
+
+
+def test_tools_where_they_cannot_work_are_refused(server):
+    """The built-in template cannot show tools to the model; completions have no tools (as at OpenAI)."""
+    chat = {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL]}
+    r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and "no known tool-call format" in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/chat/completions", {**chat, "tool_choice": "required"})
+    assert r.status_code == 400 and "has no way to show tools to the model" in r.json()["error"]["message"], (
+        r.text
+    )
+    r = _post(server, "/v1/completions", {"model": "tiny-chat", "prompt": "x", "tools": [WEATHER_TOOL]})
+    assert r.status_code == 400 and "'tools' is not supported" in r.json()["error"]["message"], r.text
+
+
 @pytest.fixture(scope="module")
 def slow_server(run_dir, tmp_path_factory):
     """A server around the `small`-shaped model, whose requests last long enough to act on mid-way."""

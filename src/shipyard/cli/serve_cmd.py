@@ -48,6 +48,7 @@ def _cmd_serve(args) -> int:
         kv_dtype=args.kv_dtype,
         tokens_per_call=args.tokens_per_call,
         fixed_shape=args.fixed_shape,
+        tool_parser=args.tool_parser,
     )
     if cache:
         print(
@@ -133,5 +134,12 @@ def register(sub) -> None:
         "else ~/.cache/shipyard/xla; off: compile every start)",
     )
     add_template_flag(sv, "chat template (default: the one the run trained with, else the model's own)")
+    sv.add_argument(
+        "--tool-parser",
+        choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+        default="auto",
+        help="the tool-call format replies are read in for chat requests with tools (default auto: from "
+        "the chat template; none: tool_choice auto is refused)",
+    )
     add_quantize_flags(sv)
     sv.set_defaults(func=_cmd_serve)

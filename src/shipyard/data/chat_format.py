@@ -160,11 +160,19 @@ class ChatFormat:
             self._pieces(t.header_pieces("assistant"), False, ids, mask)
         return ids, mask
 
-    def prompt(self, messages: list[dict]) -> list[int]:
-        """The ids of the conversation and the generation prompt (the assistant header)."""
+    def prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The ids of the conversation and the generation prompt (the assistant header). `tools` (the
+        functions the model may call) only with a template that renders them (an HF one)."""
         if self._hf is not None:
-            return self._hf.prompt(messages)
+            return self._hf.prompt(messages, tools)
+        if tools:
+            raise ValueError(f"the {self.template.name} chat template has no way to show tools to the model")
         return self.render(messages, generation_prompt=True)[0]
+
+    @property
+    def source(self) -> str | None:
+        """The Jinja source of an HF template (None for a built-in one)."""
+        return self.template.source if self._hf is not None else None
 
 
 def check_messages(messages, where: str) -> list[dict]:

@@ -169,12 +169,14 @@ class HFTemplate:
     def _raise_exception(self, message) -> None:
         raise DataError(f"chat template {self.where}: raise_exception: {_one_line(message)}")
 
-    def _context(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+    def _context(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> dict:
+        # a message's tool calls and a tool result's id and name go through as transformers passes them
+        keep = ("role", "content", "tool_calls", "tool_call_id", "name")
         return {
             **self.tokens,
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "messages": [{k: m[k] for k in keep if k in m} for m in messages],
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": tools,
             "documents": None,
         }
 
@@ -188,9 +190,11 @@ class HFTemplate:
                 f"chat template {self.where}: rendering failed ({type(e).__name__}: {_one_line(e)})"
             ) from e
 
-    def text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The rendered conversation (what `apply_chat_template(..., tokenize=False)` returns)."""
-        return self._run(lambda: self._template.render(self._context(messages, add_generation_prompt)))
+    def text(
+        self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None
+    ) -> str:
+        """The rendered conversation (what `apply_chat_template(..., tools=tools, tokenize=False)` returns)."""
+        return self._run(lambda: self._template.render(self._context(messages, add_generation_prompt, tools)))
 
     def generation_spans(self, messages: list[dict], add_generation_prompt: bool = False):
         """(text, [(start, end)] in characters of what the `{% generation %}` blocks wrote)."""
@@ -307,9 +311,10 @@ class HFChat:
         (special tokens parsed, nothing added: the template writes its own BOS)."""
         return self._enc.encode(text, add_special_tokens=False)
 
-    def prompt(self, messages: list[dict]) -> list[int]:
-        """The conversation and the generation prompt, ready for the model's reply."""
-        return list(self.encode(self.template.text(messages, add_generation_prompt=True)).ids)
+    def prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The conversation and the generation prompt, ready for the model's reply (`tools`: the
+        functions the model may call, in OpenAI's shape, for a template that renders them)."""
+        return list(self.encode(self.template.text(messages, add_generation_prompt=True, tools=tools)).ids)
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = False

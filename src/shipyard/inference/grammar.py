@@ -68,7 +68,6 @@ class Grammars:
 def grammars_for(tokenizer_json: str, vocab_size: int, end_ids) -> Grammars:
     """`Grammars` for a `tokenizers` tokenizer (its JSON) serving a model of `vocab_size` logits."""
     import llguidance
-
     from tokenizers import Tokenizer
 
     # llguidance wants every id the tokenizer names; the masks are then cut to the model's logits

@@ -2,7 +2,7 @@
 
 Strict: a number where a string is expected (or "0.7" where a number is) is
 an error, not a guess. Fields OpenAI defines that shipyard does not implement
-(penalties, logit_bias, tools, best_of in chat) are refused
+(penalties, logit_bias, tools in completions, best_of in chat) are refused
 with a 400 naming them rather than silently ignored, so a client never gets behaviour it did
 not ask for; other unknown fields are ignored (clients send extras such as
 `user`), and listed in the server log.
@@ -186,10 +186,31 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr
+    """The arguments as a JSON string (OpenAI's shape)."""
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The calls an assistant message made."""
+    tool_call_id: StrictStr | None = None
+    """Which call a `tool` message answers."""
+    name: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -197,10 +218,80 @@ class Message(BaseModel):
         return self.content or ""
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=FUNCTION_NAME)]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    """A JSON Schema of the arguments (checked: one the structured-output engine cannot read is a 400)."""
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions."""
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = (*_Sampling.UNSUPPORTED, "best_of")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        *(name for name in _Sampling.UNSUPPORTED if name != "tools"),
+        "best_of",
+    )
+
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    """Functions the model may call: shown to it through its chat template, its reply parsed back
+    into `tool_calls` (inference/tool_calls.py)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """"auto" (the default with tools): the model decides; "none": no call; "required" or a named
+    function: the reply is held to a call (of that function)."""
+    parallel_tool_calls: StrictBool | None = None
+    """Accepted (a reply may hold several calls; "required" allows several)."""
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools {names}"
+            )
+        if (
+            self.tools
+            and self.tool_choice != "none"
+            and self.response_format not in (None,)
+            and (self.response_format.type != "text")
+        ):
+            raise ValueError("tools and a JSON response_format cannot be combined; use tool_choice")
+        return self
+
+    def choice(self):
+        """tool_choice as the server uses it: None (no tools in play), "auto", "required" or the
+        named function's dict."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -211,10 +302,38 @@ class ChatRequest(_Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
 
     def conversation(self) -> list[dict]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        """The messages as a chat template reads them; a call's arguments as an object when they
+        are one (transformers' convention, which templates index into)."""
+        out = []
+        for m in self.messages:
+            msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls
+                ]  # fmt: skip
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The offered tools in OpenAI's shape (what a template's `tools` gets), when in play."""
+        if self.choice() is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def _arguments(text: str):
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class TokenizeRequest(BaseModel):

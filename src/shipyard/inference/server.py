@@ -55,6 +55,7 @@ from shipyard.inference.openai_api import (
 from shipyard.inference.openapi import openapi_document
 from shipyard.inference.sampling import API, Sampling, resolve_sampling
 from shipyard.inference.scoring import prompt_logprobs
+from shipyard.inference.tool_calls import FAMILIES, ToolReply, forced_schema
 
 log = logging.getLogger("shipyard.serve")
 
@@ -85,6 +86,8 @@ class Service:
     """Loads new weights for POST /admin/swap and `--watch` (None: this server cannot swap)."""
     grammars: Grammars | None = None
     """The tokenizer as the structured-output engine sees it (made at the first `response_format`)."""
+    tool_parser: str | None = None
+    """The tool-call format of the model's family (`tool_calls.FAMILIES`; None: none known)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -136,6 +139,8 @@ class _Job:
         self.chosen: list[float] = []  # the log-probs of the kept tokens, when the request asked for them
         self.service = service
         self.arrived, self.first = time.perf_counter(), None
+        self.tools: ToolReply | None = None
+        """Set for a chat choice with tools in play: its text goes out through it."""
 
     def _on_tokens(self, tokens, logprobs, finish) -> None:  # the engine thread
         if self.first is None and tokens:
@@ -184,16 +189,47 @@ def _grammar(service: Service, body, end_ids) -> str | None:
     enforced."""
     if body.response_format is None or body.response_format.type == "text":
         return None
+    return _compiled_format(service, body, body.response_format.openai(), "response_format")
+
+
+def _compiled_format(service: Service, body, fmt: dict, param: str) -> str | None:
     if body.ignore_eos:
         raise ApiError(
-            "response_format cannot be combined with ignore_eos (a JSON reply must end)", param="ignore_eos"
+            f"{param} cannot be combined with ignore_eos (a JSON reply must end)", param="ignore_eos"
         )
     try:
         if service.grammars is None:
-            service.grammars = grammars_for(service.tok.to_str(), service.engine.cfg.vocab_size, end_ids)
-        return service.grammars.compile(body.response_format.openai())
+            service.grammars = grammars_for(
+                service.tok.to_str(), service.engine.cfg.vocab_size, _end_ids(service)
+            )
+        return service.grammars.compile(fmt)
     except GrammarError as e:
-        raise ApiError(str(e), param="response_format") from None
+        raise ApiError(str(e).replace("response_format", param, 1), param=param) from None
+
+
+def _tool_setup(service: Service, body: ChatRequest) -> tuple[str | None, tuple | None]:
+    """(the grammar a forced call is held to, (schema, named function)) for a request with tools in
+    play; every tool's parameters must be a schema the engine can read (a 400 naming the tool)."""
+    choice = body.choice()
+    if choice is None:
+        return None, None
+    for i, tool in enumerate(body.tools):
+        params = tool.function.parameters or {"type": "object"}
+        _compiled_format(service, body, _schema_format(params), f"tools[{i}].function.parameters")
+    if choice == "auto":
+        if service.tool_parser is None:
+            raise ApiError(
+                "this model's chat template shows no known tool-call format, so a call could not be read back; "
+                f"serve with --tool-parser ({', '.join(FAMILIES)}) or send tool_choice 'required' or a named function",
+                param="tools",
+            )
+        return None, None
+    forced = forced_schema(body.tool_dicts(), choice)
+    return _compiled_format(service, body, _schema_format(forced[0]), "tools"), forced
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 def _submit(service: Service, jobs: list[_Job]):
@@ -607,8 +643,9 @@ async def _stream_completions(service, body, prompts, jobs, head, logged) -> Asy
 async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     if service.chat is None:
         raise ApiError(f"this model has no chat template ({service.chat_missing}); use /v1/completions")
+    tool_grammar, forced = _tool_setup(service, body)
     try:
-        prompt = service.chat.prompt(body.conversation())
+        prompt = service.chat.prompt(body.conversation(), tools=body.tool_dicts())
     except Exception as e:  # a template may refuse a conversation (raise_exception in Jinja)
         raise ApiError(f"the model's chat template refused these messages: {e}", param="messages") from e
     limit = service.engine.max_len
@@ -616,7 +653,7 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     _context_check(service, len(prompt), max_tokens)
     stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
     _n_check(service, body.n)
-    grammar = _grammar(service, body, _end_ids(service))
+    grammar = tool_grammar or _grammar(service, body, _end_ids(service))
     jobs = _grouped(
         [
             _Job(
@@ -633,6 +670,9 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     )
     rid, created, t0 = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
     top = body.top_logprobs or 0
+    if body.choice() is not None:  # each choice's text goes out through its own ToolReply
+        for j, job in enumerate(jobs):
+            job.tools = ToolReply(service.tool_parser, f"{rid}/{j}", forced)
 
     def logged(finishes) -> None:
         log.info(
@@ -648,12 +688,19 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     async def one(index: int, job: _Job) -> dict:
         text, logprobs, finish = [], [], None
         async for piece, tokens, lps, finish in job.events():  # noqa: B007 (the last finish is the reply's)
-            text.append(piece)
+            text.append(job.tools.push(piece) if job.tools is not None else piece)
             if body.logprobs:
                 logprobs += _chat_logprobs(service, tokens, lps, top)
+        message = {"role": "assistant", "content": "".join(text)}
+        if job.tools is not None:
+            rest, calls, finish = job.tools.end(finish)
+            message["content"] = "".join(text) + rest
+            if calls:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(text)},
+            "message": message,
             "logprobs": {"content": logprobs} if body.logprobs else None,
             "finish_reason": finish,
         }
@@ -682,7 +729,18 @@ async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, 
         try:
             async for piece, tokens, lps, finish in job.events():
                 lp = {"content": _chat_logprobs(service, tokens, lps, top)} if body.logprobs else None
-                await queue.put((index, piece, lp, finish))
+                if job.tools is None:
+                    await queue.put((index, piece, lp, finish))
+                    continue
+                piece = job.tools.push(piece)
+                if finish is None:
+                    await queue.put((index, piece, lp, None))
+                    continue
+                rest, calls, finish = job.tools.end(finish)
+                await queue.put((index, piece + rest, lp, None))
+                for k, call in enumerate(calls or []):  # each call whole: the deltas reassemble exactly
+                    await queue.put((index, {"tool_calls": [{"index": k, **call}]}, None, None))
+                await queue.put((index, "", None, finish))
         finally:  # also when the job failed: the stream below must not wait for it forever
             await queue.put((index, None, None, "done"))
 
@@ -697,7 +755,9 @@ async def _stream_chat(service, body: ChatRequest, jobs: list[_Job], head, top, 
             if finish == "done":
                 running -= 1
                 continue
-            if piece or lp:
+            if isinstance(piece, dict):  # a tool call
+                yield chunk(index, piece)
+            elif piece or lp:
                 yield chunk(index, {"content": piece}, None, lp)
             if finish is not None:
                 finishes.append(finish)

@@ -25,6 +25,7 @@ from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
 from shipyard.inference.hot_swap import Swapper, fingerprint, tokenizer_digest
 from shipyard.inference.server import Service, create_app
+from shipyard.inference.tool_calls import family_of
 from shipyard.output import progress
 
 log = logging.getLogger("shipyard.serve")
@@ -74,9 +75,11 @@ def load_service(
     kv_dtype: str | None = None,
     tokens_per_call: int = 8,
     fixed_shape: bool = False,
+    tool_parser: str = "auto",
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
-    (`hot_swap.Swapper`) of the same kind."""
+    (`hot_swap.Swapper`) of the same kind. `tool_parser`: the tool-call format replies are read in
+    (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
@@ -129,6 +132,9 @@ def load_service(
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
     specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
     hf_template = getattr(getattr(chat, "template", None), "source", None)
+    hf_template = hf_template if isinstance(hf_template, str) else None
+    if tool_parser == "auto":
+        tool_parser = family_of(hf_template)
     return Service(
         name=name or Path(model).resolve().name,
         engine=engine,
@@ -138,7 +144,8 @@ def load_service(
         chat_missing=missing,
         defaults=gen,
         specials=specials,
-        chat_template=hf_template if isinstance(hf_template, str) else None,
+        chat_template=hf_template,
+        tool_parser=None if tool_parser == "none" else tool_parser,
         swapper=Swapper(
             engine,
             str(Path(model).resolve()) if "://" not in str(model) else str(model),
