@@ -20,7 +20,10 @@ them; `fixed_shape` keeps one shape (all rows, all slots) for outputs that are
 bitwise independent of the other requests.
 
 A decode call runs `tokens_per_call` steps on the device; the host reads one
-call's tokens while the next call is already running.
+call's tokens while the next call is already running. A structured reply
+(`Request.constraint`, inference/grammar.py) needs the token before to know
+which tokens may come next, so while one runs each call is one step with the
+rows' allowed-token masks as an input, read before the next call is queued.
 
 Threads: `Engine.start` runs the loop in a daemon thread that is the only
 user of the device state. `submit` (any thread) queues a `Request`; its
