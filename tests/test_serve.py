@@ -789,6 +789,58 @@ def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path
     )
 
 
+def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, run_dir, tmp_path):
+    """16 clients at once (the server has 8 slots: requests queue, join and leave a running batch),
+    random prompt and reply lengths, echo + logprobs: each reply is the greedy continuation of
+    transformers' Llama run in float64 on the exported weights, and every served log-prob (prompt
+    and reply) equals that forward's log_softmax within 1e-5."""
+    import random
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.interop.hf import write_hf_dir
+    from shipyard.run.model_dir import open_model_dir
+
+    rng = random.Random(7)
+    bodies = [
+        {"model": "tiny-chat", "prompt": [rng.randrange(5, 400) for _ in range(rng.randint(2, 40))],
+         "max_tokens": rng.randint(1, 24), "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
+        for _ in range(16)
+    ]  # fmt: skip
+    results: dict = {}
+
+    def send(i: int) -> None:
+        results[i] = _post(server, "/v1/completions", bodies[i]).json()["choices"][0]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    model_dir = open_model_dir(run_dir, "test")
+    cfg, _, params = model_dir.load()
+    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), torch_dtype=torch.float64
+    ).eval()
+    tok = load_tokenizer(model_dir.tokenizer())
+    for i, body in enumerate(bodies):
+        ids, new = list(body["prompt"]), body["max_tokens"]
+        with torch.no_grad():
+            for _ in range(new + 1):  # the float64 model's greedy reply, then the scores of all of it
+                logits = hf(torch.tensor([ids])).logits[0].numpy()
+                if len(ids) < len(body["prompt"]) + new:
+                    ids.append(int(np.argmax(logits[-1])))
+        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        choice = results[i]
+        assert choice["text"] == tok.decode(ids, skip_special_tokens=False), i
+        served = choice["logprobs"]["token_logprobs"]
+        np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
+
+
 def test_start_up_says_in_its_log_what_it_loaded_allocated_and_compiled(server, run_dir):
     """Not a terminal (a log file): the start-up still says what it does, and the KV cache line
     states the size docs/serving.md's formula gives (2 x layers x rows x slots x kv_heads x head_dim)."""
