@@ -184,7 +184,7 @@ def _end_ids(service: Service) -> tuple[int, ...]:
     )
 
 
-def _grammar(service: Service, body, end_ids) -> str | None:
+def _grammar(service: Service, body) -> str | None:
     """The compiled `response_format` of a request (None: plain text); a 400 naming what cannot be
     enforced."""
     if body.response_format is None or body.response_format.type == "text":
@@ -489,7 +489,7 @@ async def _completions(service: Service, body: CompletionRequest, streaming: Cal
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     t0 = time.perf_counter()
     want_lp = body.logprobs is not None or k > body.n  # best_of ranks by the chosen tokens' log-probs
-    grammar = _grammar(service, body, _end_ids(service))
+    grammar = _grammar(service, body)
     jobs = _grouped(
         [
             _Job(
@@ -653,7 +653,7 @@ async def _chat(service: Service, body: ChatRequest, streaming: Callable):
     _context_check(service, len(prompt), max_tokens)
     stop_ids = tuple(dict.fromkeys((*service.chat.end_ids, *service.eos_ids)))
     _n_check(service, body.n)
-    grammar = tool_grammar or _grammar(service, body, _end_ids(service))
+    grammar = tool_grammar or _grammar(service, body)
     jobs = _grouped(
         [
             _Job(
