@@ -5,8 +5,10 @@ The model and server are bench/serve_throughput.py's (a random model of the `sma
 threads send completions one after the other (prompt: 20..60 random ids, `max_tokens` 128,
 temperature 0.7, a seed per request):
 
-- plain: no response_format;
-- structured: `response_format` json_schema, cycling through bench/json_schemas.py's 60 schemas.
+- structured: `response_format` json_schema, cycling through bench/json_schemas.py's 60 schemas;
+- plain: the same requests replayed without response_format, each asked for exactly the tokens its
+  structured reply got (`ignore_eos`), so both modes generate the same tokens from the same prompts
+  and the difference is what holding replies to a grammar costs (not shorter replies' prefills).
 
 Reported per mode: requests, completion tokens, aggregate tokens/s; for structured also the replies
 that ended ("stop") and how many of them parse and validate against their schema (`jsonschema`),
@@ -38,30 +40,39 @@ CLIENTS = 16
 MAX_TOKENS = 128
 
 
-def run_mode(url: str, seconds: float, first_id: int, structured: bool) -> dict:
+def run_mode(url: str, seconds: float, first_id: int, replay: dict | None = None) -> dict:
+    """16 clients for `seconds` of structured requests (recording each client's requests), or, with
+    `replay` (a structured run's record), the same requests plain: same prompts and seeds, each
+    asked for exactly as many tokens as its structured reply got (`ignore_eos`)."""
     import jsonschema
 
     schemas = list(json_schemas.schemas().values())
     counts = {"requests": 0, "tokens": 0, "stop": 0, "length": 0, "valid": 0, "invalid": 0, "failed": 0}
+    record: dict[int, list] = {i: [] for i in range(CLIENTS)}
     lock, stop_at = threading.Lock(), time.monotonic() + seconds
 
     def client(i: int) -> None:
         rng = random.Random(i)
         with httpx.Client(timeout=120) as http:
             k = i
-            while time.monotonic() < stop_at:
-                prompt = [
-                    rng.randrange(first_id, bench.SHAPE["vocab_size"]) for _ in range(rng.randint(20, 60))
-                ]
-                body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS}
-                body |= {"temperature": 0.7, "seed": rng.randrange(1 << 30)}
-                schema = schemas[k % len(schemas)]
-                k += CLIENTS
-                if structured:
+            todo = list(replay[i]) if replay is not None else None
+            while todo if todo is not None else time.monotonic() < stop_at:
+                if todo is not None:
+                    prompt, seed, n = todo.pop(0)
+                    body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": n, "ignore_eos": True}
+                    schema = None
+                else:
+                    prompt = [
+                        rng.randrange(first_id, bench.SHAPE["vocab_size"]) for _ in range(rng.randint(20, 60))
+                    ]
+                    seed, schema = rng.randrange(1 << 30), schemas[k % len(schemas)]
+                    k += CLIENTS
+                    body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS}
                     body["response_format"] = {
                         "type": "json_schema",
                         "json_schema": {"name": "s", "schema": schema},
                     }
+                body |= {"temperature": 0.7, "seed": seed}
                 r = http.post(url + "/v1/completions", json=body)
                 with lock:
                     counts["requests"] += 1
@@ -69,10 +80,14 @@ def run_mode(url: str, seconds: float, first_id: int, structured: bool) -> dict:
                         counts["failed"] += 1
                         continue
                     out = r.json()
-                    counts["tokens"] += out["usage"]["completion_tokens"]
+                    n_out = out["usage"]["completion_tokens"]
+                    counts["tokens"] += n_out
                     choice = out["choices"][0]
                     counts[choice["finish_reason"]] = counts.get(choice["finish_reason"], 0) + 1
-                if structured and choice["finish_reason"] == "stop":
+                if schema is None:
+                    continue
+                record[i].append((prompt, seed, n_out))
+                if choice["finish_reason"] == "stop":
                     try:
                         jsonschema.validate(json.loads(choice["text"]), schema)
                         ok = True
@@ -88,7 +103,8 @@ def run_mode(url: str, seconds: float, first_id: int, structured: bool) -> dict:
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
-    return {**counts, "seconds": round(wall, 2), "tokens_per_s": round(counts["tokens"] / wall, 1)}
+    out = {**counts, "seconds": round(wall, 2), "tokens_per_s": round(counts["tokens"] / wall, 1)}
+    return out, record
 
 
 def main() -> None:
@@ -108,11 +124,11 @@ def main() -> None:
         bench.write_run(run_dir, first_id)
         proc, url = bench.start_server(run_dir, Path(tmp) / "server.log", 8, None, False)
         try:
-            run_mode(url, 5, first_id, True)  # warm-up: the grammar tokenizer, allocators
+            run_mode(url, 5, first_id)  # warm-up: the grammar tokenizer, allocators
             rounds = []
             for _ in range(args.repeat):
-                plain = run_mode(url, args.seconds, first_id, False)
-                structured = run_mode(url, args.seconds, first_id, True)
+                structured, record = run_mode(url, args.seconds, first_id)
+                plain, _ = run_mode(url, args.seconds, first_id, replay=record)
                 cost = 1 - structured["tokens_per_s"] / plain["tokens_per_s"]
                 rounds.append({"plain": plain, "structured": structured, "cost": round(cost, 3)})
                 print(json.dumps(rounds[-1]), flush=True)
