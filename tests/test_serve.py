@@ -619,12 +619,12 @@ def test_auto_shows_the_tools_to_the_model_and_a_prose_reply_stays_text(tool_cli
 
 TOOL_HOSTILE = [
     ("a tool whose parameters cannot be enforced", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, 'tools[0].function.parameters: this JSON Schema cannot be enforced: Unimplemented keys: ["not"]'),
-    ("a tool whose parameters are not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.function.parameters: Input should be a valid dictionary"),
-    ("a function name with spaces", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.function.name: String should match pattern"),
+    ("a tool whose parameters are not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters: Input should be a valid dictionary"),
+    ("a function name with spaces", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name: String should match pattern"),
     ("two tools of one name", {"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "function names must be unique"),
     ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice needs tools"),
     ("tool_choice naming a tool not offered", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice names 'time', which is not among the tools ['weather']"),
-    ("a tool of another type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.type: Input should be 'function'"),
+    ("a tool of another type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type: Input should be 'function'"),
     ("tools with a JSON response_format", {"tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}}, "tools and a JSON response_format cannot be combined"),
     ("a tool_choice of another kind", {"tools": [WEATHER_TOOL], "tool_choice": "always"}, "tool_choice"),
 ]  # fmt: skip

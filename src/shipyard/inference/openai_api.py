@@ -364,7 +364,10 @@ class SwapRequest(BaseModel):
 def validation_message(error) -> tuple[str, str | None]:
     """One line for a pydantic ValidationError: (message, the offending field)."""
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) or p) or None
+    where = ""
+    for p in first["loc"]:  # tools[1].function.name: a list index in brackets, as a person writes it
+        where += f"[{p}]" if isinstance(p, int) else (f".{p}" if where else str(p))
+    where = where or None
     msg = first["msg"].removeprefix("Value error, ")
-    field = where.split(".")[0] if where else None
+    field = where.split(".")[0].split("[")[0] if where else None
     return (f"{where}: {msg}" if where else msg), field
