@@ -751,36 +751,52 @@ def test_requests_join_a_batch_that_is_already_decoding(slow_server):
         assert got[0] < long_times[-1] and got[-1] < long_times[-1], p  # served while the long one ran
 
 
+def _float64_model(run_dir, tmp_path):
+    """(transformers' Llama in float64 on the run's exported weights, the run's ModelDir): the
+    independent reference the served log-probs are checked against."""
+    import torch
+    import transformers
+
+    from shipyard.interop.hf import write_hf_dir
+    from shipyard.run.model_dir import open_model_dir
+
+    model_dir = open_model_dir(run_dir, "test")
+    cfg, _, params = model_dir.load()
+    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float64)
+    return hf.eval(), model_dir
+
+
+def _float64_greedy(hf, prompt: list[int], new: int):
+    """(prompt + the float64 model's own greedy reply of `new` tokens, log_softmax of its logits
+    over all of it ([len(ids), vocab]))."""
+    import numpy as np
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new + 1):  # the greedy reply, then the scores of all of it
+            logits = hf(torch.tensor([ids])).logits[0].numpy()
+            if len(ids) < len(prompt) + new:
+                ids.append(int(np.argmax(logits[-1])))
+    return ids, logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
 def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path):
     """The served log-probs are the model's: the prompt's (echo) and the greedy reply's chosen tokens
     equal log_softmax of transformers' Llama run in float64 on the exported weights (not the function
     the server calls) within 1e-5, and the reply is that forward's greedy continuation."""
     import numpy as np
-    import torch
-    import transformers
 
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.interop.hf import write_hf_dir
-    from shipyard.run.model_dir import open_model_dir
 
     prompt, new = [5, 17, 99, 3, 8, 2, 77, 41, 12, 6], 8
     body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
     choice = _post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1}).json()["choices"][0]
     served = choice["logprobs"]["token_logprobs"]
     assert served[0] is None and len(served) == len(prompt) + new
-    model_dir = open_model_dir(run_dir, "test")
-    cfg, _, params = model_dir.load()
-    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "hf"), torch_dtype=torch.float64
-    ).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new + 1):  # the float64 model's own greedy reply, then the scores of all of it
-            logits = hf(torch.tensor([ids])).logits[0].numpy()
-            if len(ids) < len(prompt) + new:
-                ids.append(int(np.argmax(logits[-1])))
-    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    hf, model_dir = _float64_model(run_dir, tmp_path)
+    ids, logp = _float64_greedy(hf, prompt, new)
     np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
     tok = load_tokenizer(model_dir.tokenizer())
     assert choice["text"] == tok.decode(ids, skip_special_tokens=False)  # echo: the prompt, then the reply
@@ -797,12 +813,8 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
     import random
 
     import numpy as np
-    import torch
-    import transformers
 
     from shipyard.data.tokenizer import load_tokenizer
-    from shipyard.interop.hf import write_hf_dir
-    from shipyard.run.model_dir import open_model_dir
 
     rng = random.Random(7)
     bodies = [
@@ -820,21 +832,10 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
         t.start()
     for t in threads:
         t.join()
-    model_dir = open_model_dir(run_dir, "test")
-    cfg, _, params = model_dir.load()
-    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "hf"), torch_dtype=torch.float64
-    ).eval()
+    hf, model_dir = _float64_model(run_dir, tmp_path)
     tok = load_tokenizer(model_dir.tokenizer())
     for i, body in enumerate(bodies):
-        ids, new = list(body["prompt"]), body["max_tokens"]
-        with torch.no_grad():
-            for _ in range(new + 1):  # the float64 model's greedy reply, then the scores of all of it
-                logits = hf(torch.tensor([ids])).logits[0].numpy()
-                if len(ids) < len(body["prompt"]) + new:
-                    ids.append(int(np.argmax(logits[-1])))
-        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        ids, logp = _float64_greedy(hf, body["prompt"], body["max_tokens"])
         choice = results[i]
         assert choice["text"] == tok.decode(ids, skip_special_tokens=False), i
         served = choice["logprobs"]["token_logprobs"]
