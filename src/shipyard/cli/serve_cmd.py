@@ -49,6 +49,7 @@ def _cmd_serve(args) -> int:
         tokens_per_call=args.tokens_per_call,
         fixed_shape=args.fixed_shape,
         tool_parser=args.tool_parser,
+        prefix_cache=args.prefix_cache,
     )
     if cache:
         print(
@@ -124,6 +125,14 @@ def register(sub) -> None:
         action="store_true",
         help="decode every call over all --max-batch rows and --max-len slots: greedy output bitwise "
         "independent of other requests (default: calls sized to the busy rows, faster for few)",
+    )
+    sv.add_argument(
+        "--prefix-cache",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the keys and values of the last N prompts, so a prompt sharing a prefix with one of "
+        "them computes only the rest (default 2; 0: off; off with --fixed-shape)",
     )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
     sv.add_argument(

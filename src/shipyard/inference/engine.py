@@ -48,6 +48,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference import cpu_decode
 from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.prefix_cache import PrefixIndex, init_store, keep, recall
 from shipyard.inference.sampling import Sampling, pick_tokens
 from shipyard.model import quant
 
@@ -306,12 +307,16 @@ def _admit(
     settings,
     allowed,
     masked,
+    store=None,
+    put=None,
+    hit=None,
     *,
     cfg,
     max_len,
     kv_dtype,
     to_decode,
     batch_axis,
+    bucket=None,
     plain=False,
 ):
     """Prefill m distinct prompts (tokens [m, P], row i left-padded by start[i]) once each, and start
@@ -323,10 +328,22 @@ def _admit(
     top_p, key), each [k], of the requests; `allowed` [k, words] restricts their first tokens when
     `masked` (structured output). `plain` (static): every request is greedy and none wants
     log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
+
+    With the prefix cache (inference/prefix_cache.py; one prompt, m = 1): the prompt is written
+    to `store` row `put` afterwards, and with `hit` (entry, length) and `bucket` P (static) `tokens`
+    are only the last Q slots [P-Q, P) of the prompt's bucket: the first `length` prompt tokens' K/V
+    come from store row `entry`, the chunk is computed over them. Returns the store as well (None
+    without one).
     """
     temperature, top_k, top_p, key = settings
+    P = tokens.shape[1] if bucket is None else bucket
     cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
-    logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), start, cfg, last_only=True)
+    if hit is not None:
+        cache = recall(store, cache, hit[0], hit[1], start[0])
+    at = jnp.int32(P - tokens.shape[1])
+    logits, cache = forward_cached(params, tokens, cache, at, start, cfg, last_only=True)
+    if store is not None:
+        store = keep(store, cache, start[0], put)
     logits = logits[:, -1][src]
     token, key = pick_tokens(
         _restricted(logits, allowed, masked), key, temperature, top_k, top_p, may_sample=not plain
@@ -342,10 +359,9 @@ def _admit(
         return jax.tree.map(put, caches, prefilled)
 
     caches = jax.lax.fori_loop(0, count, write, caches)
-    P = jnp.full(src.shape[0], tokens.shape[1], jnp.int32)
-    new = (token, P, start[src], key, temperature, top_k, top_p)
+    new = (token, jnp.full(src.shape[0], P, jnp.int32), start[src], key, temperature, top_k, top_p)
     rows = Rows(*(field.at[slots].set(value, mode="drop") for field, value in zip(rows, new)))
-    return token, logprobs, rows, caches
+    return token, logprobs, rows, caches, store
 
 
 def prompt_bucket(n: int, max_len: int) -> int:
@@ -368,12 +384,22 @@ class Engine:
         tokens_per_call: int = 8,
         fixed_shape: bool = False,
         fingerprint: str | None = None,
+        prefix_cache: int = 0,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
             raise ValueError(f"max_len must be in 1..{cfg.max_seq_len} (model.max_seq_len), got {max_len}")
         if max_batch < 1 or tokens_per_call < 1:
             raise ValueError("max_batch and tokens_per_call must be at least 1")
+        if prefix_cache < 0:
+            raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
+        if prefix_cache and fixed_shape:
+            # a prefill over a cached prefix computes fewer rows, so its rounding differs (within 1e-5)
+            # from the whole prefill's: a reply would depend on what was asked before it
+            raise ValueError(
+                "prefix_cache with fixed_shape: fixed_shape promises replies bitwise independent of other "
+                "requests, and reusing another request's prefix changes their rounding; use one of them"
+            )
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
         self.fixed_shape = fixed_shape
         """Every decode call covers all rows and slots: one compiled shape, so a row's arithmetic (and
@@ -409,6 +435,15 @@ class Engine:
         self.uses_cpu_decode = cpu_decode.supported(self.params, cfg)
         """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
+        self.prefix = PrefixIndex(prefix_cache) if prefix_cache else None
+        """The prefix cache's index (None: off); its counters are what /metrics reports."""
+        self._store = (
+            jax.jit(lambda: init_store(cfg, prefix_cache, max_len, kv_dtype))() if prefix_cache else None
+        )
+        self._suffix: dict[
+            tuple, object
+        ] = {}  # (Q, P, plain) -> compiled suffix prefill, None while compiling
+        self._compiler = None  # a thread compiling suffix prefills for a started engine
 
         def zeros():  # a buffer per field: each is donated to the decode call
             return jnp.zeros(max_batch, jnp.int32)
@@ -424,8 +459,8 @@ class Engine:
                 to_decode=to_decode,
                 batch_axis=batch_axis,
             ),
-            donate_argnums=(1, 2),
-            static_argnames=("plain",),
+            donate_argnums=(1, 2, 11),
+            static_argnames=("bucket", "plain"),
         )
         self._decode = jax.jit(
             partial(_decode_steps, forward=forward, chunk=tokens_per_call, axes=axes),
@@ -516,6 +551,8 @@ class Engine:
             raise RuntimeError(f"the engine stopped before the swap: {swap.error}")
 
     def _apply(self, swap: _Swap) -> None:
+        if self.prefix is not None:  # the K/V it holds came from the old weights
+            self.prefix.clear()
         self.params, self.decode_weights, self.fingerprint = (
             swap.params,
             swap.decode_weights,
@@ -547,6 +584,10 @@ class Engine:
         """KV cache positions the requests holding a slot fill (read from another thread: a snapshot)."""
         slots, pos = list(self._slots), list(self._pos)
         return sum(p for r, p in zip(slots, pos) if r is not None)
+
+    def prefix_cache_bytes(self) -> int:
+        """Bytes the prefix cache's store takes (0: off)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._store)) if self._store is not None else 0
 
     def kv_cache_bytes(self) -> int:
         """Bytes the preallocated KV cache takes (`max_batch` rows of `max_len` slots)."""
@@ -600,7 +641,7 @@ class Engine:
                 jax.random.split(jax.random.key(0), k),
             )
             src, slots = jnp.zeros(k, jnp.int32), jnp.full(k, self.max_batch, jnp.int32)
-            token, _, self._rows, self._caches = self._admit(
+            token, _, self._rows, self._caches, self._store = self._admit(
                 self.params,
                 self._rows,
                 self._caches,
@@ -612,6 +653,7 @@ class Engine:
                 settings,
                 self._open_mask(k),
                 np.bool_(False),
+                *self._keep_at(None),
             )
             jax.block_until_ready(token)
             if on_shape is not None:
@@ -905,7 +947,8 @@ class Engine:
 
     def _start(self, requests: list[Request]) -> None:
         """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens;
-        requests with the same prompt (n samples of it) share one prefill row."""
+        requests with the same prompt (n samples of it) share one prefill row. A lone prompt with a
+        prefix the prefix cache holds is prefilled from there on (`_suffix_program`)."""
         P = self._bucket(requests[0])
         prompts = list(dict.fromkeys(tuple(r.prompt) for r in requests))
         m = 1 << (len(prompts) - 1).bit_length()
@@ -932,7 +975,8 @@ class Engine:
             r.sampling.temperature <= 0 and not r.sampling.logprobs for r in requests
         )
         constrained = any(r.constraint is not None for r in requests)
-        token, logprobs, self._rows, self._caches = self._admit(
+        reuse = self.prefix.plan(list(prompts[0])) if self.prefix is not None and m == 1 else None
+        args = [
             self.params,
             self._rows,
             self._caches,
@@ -944,8 +988,28 @@ class Engine:
             settings,
             self._masks(requests, n) if constrained else self._open_mask(n),
             np.bool_(constrained),
-            plain=plain,
-        )
+            *self._keep_at(reuse),
+        ]
+        program, Q = self._admit, P
+        if reuse is not None and reuse.length:
+            Q = prompt_bucket(P - int(start[0]) - reuse.length, P)
+            suffix = self._suffix_program(Q, P, plain, args) if Q < P else None
+            if suffix is None:
+                Q = P
+            else:
+                program = suffix
+                args[3] = args[3][:, P - Q :]
+                args.append((np.int32(reuse.entry), np.int32(reuse.length)))
+        if program is self._admit:
+            token, logprobs, self._rows, self._caches, self._store = self._admit(*args, plain=plain)
+        else:
+            token, logprobs, self._rows, self._caches, self._store = program(*args)
+        if reuse is not None:
+            self.prefix.commit(list(prompts[0]), reuse, used=Q < P)
+            if Q < P:
+                self.prefix.hits += 1
+                self.prefix.hit_tokens += reuse.length
+                self.prefix.saved_tokens += P - Q
         token = np.asarray(token).tolist()
         host = [np.asarray(x) for x in logprobs] if any(r.sampling.logprobs for r in requests) else None
         for i, (r, slot) in enumerate(zip(requests, free)):
@@ -954,6 +1018,45 @@ class Engine:
             self._slots[slot], self._pos[slot] = r, P
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
             self._take(r, [token[i]], [lp if r.sampling.logprobs else None])
+
+    def _keep_at(self, reuse) -> tuple:
+        """The prefix cache's (store, row to keep the prompt in) arguments of a prefill: () when the
+        cache is off; the row past the last (nothing kept) without a plan (`compile`, a batch)."""
+        if self._store is None:
+            return ()
+        return self._store, np.int32(self.prefix.entries if reuse is None else reuse.put)
+
+    def _suffix_program(self, Q: int, P: int, plain: bool, args: list):
+        """The compiled prefill of the last Q slots of a P-slot bucket over a remembered prefix, or None
+        while it is not compiled: an engine that serves (started) compiles it on a thread of its
+        own and prefills whole meanwhile, so no request waits for a compilation; an unstarted one
+        (`generate`) compiles it now, as it does every program it meets."""
+        key = (Q, P, plain)
+        if key in self._suffix:
+            return self._suffix[key]
+        example = [*args[:3], args[3][:, P - Q :], *args[4:], (np.int32(0), np.int32(0))]
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example)
+
+        def build():
+            return self._admit.lower(*specs, bucket=P, plain=plain).compile()
+
+        if self._thread is None:
+            self._suffix[key] = build()
+            return self._suffix[key]
+        if self._compiler is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="shipyard-compile")
+        self._suffix[key] = None
+
+        def done(future):
+            if future.exception() is None:
+                self._suffix[key] = future.result()
+            else:
+                log.error("compiling a prefix-cache prefill failed: %s", future.exception())
+
+        self._compiler.submit(build).add_done_callback(done)
+        return None
 
     def _deliver(self, out, owners: Sequence[Request | None], steps: int) -> None:
         tokens, chosen, best, ids = (np.asarray(x)[:steps] for x in out)

@@ -14,7 +14,7 @@ needs only the prefix changed.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds: a CPU serving a tiny model answers in milliseconds, a large model on a busy server in tens
@@ -35,6 +35,8 @@ class ServeMetrics:
         r = self.registry
         if swapper is not None:
             r.register(_SwapCounts(swapper))
+        if engine.prefix is not None:
+            r.register(_PrefixCounts(engine.prefix))
         Gauge("shipyard_queue_depth", "Requests waiting for a free slot", registry=r).set_function(
             engine.pending
         )
@@ -112,3 +114,40 @@ class _SwapCounts:
         for result, n in sorted(self.swapper.counts.items()):
             family.add_metric([result], n)
         yield family
+
+
+class _PrefixCounts:
+    """The prefix cache's counters (inference/prefix_cache.py), read from its index when scraped:
+    lookups and hits (admissions), hit tokens (prompt tokens whose K/V came from the cache), saved
+    tokens (prefill positions not computed), and the prompt tokens it holds now."""
+
+    _COUNTERS = (
+        ("lookups", "Prompts looked up in the prefix cache (one per prefill)"),
+        ("hits", "Prompts prefilled from a cached prefix"),
+        ("hit_tokens", "Prompt tokens whose keys and values came from the prefix cache"),
+        ("saved_tokens", "Prefill positions the prefix cache saved computing (bucketed)"),
+    )
+
+    def __init__(self, index):
+        self.index = index
+
+    def describe(self):
+        return list(self._families())
+
+    def collect(self):
+        return self._families()
+
+    def _families(self):
+        for name, doc in self._COUNTERS:
+            family = CounterMetricFamily(f"shipyard_prefix_cache_{name}", doc)
+            family.add_metric([], getattr(self.index, name))
+            yield family
+        yield GaugeMetricFamily(
+            "shipyard_prefix_cache_tokens",
+            "Prompt tokens the prefix cache holds",
+            value=self.index.held_tokens(),
+        )
+        yield GaugeMetricFamily(
+            "shipyard_prefix_cache_entries", "Prompts the prefix cache can hold (--prefix-cache)",
+            value=self.index.entries,
+        )  # fmt: skip

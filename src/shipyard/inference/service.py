@@ -34,6 +34,11 @@ log = logging.getLogger("shipyard.serve")
 CACHE_MAX_BYTES = 4 << 30
 """The compile cache's size bound (JAX evicts the least recently used programs past it)."""
 
+PREFIX_CACHE = 2
+"""Prompts `serve` keeps the K/V of by default (`--prefix-cache`). Each takes a KV cache row
+(`max_len` slots); two hold a shared system prompt and the last conversation extended, for a
+quarter of the default 8 rows' memory."""
+
 
 def enable_compile_cache(directory: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache so a restarted server loads its decode and prefill
@@ -76,10 +81,12 @@ def load_service(
     tokens_per_call: int = 8,
     fixed_shape: bool = False,
     tool_parser: str = "auto",
+    prefix_cache: int | None = None,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
     (`hot_swap.Swapper`) of the same kind. `tool_parser`: the tool-call format replies are read in
-    (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls."""
+    (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls.
+    `prefix_cache`: prompts whose K/V are kept for reuse (None: `PREFIX_CACHE`, 0 with `fixed_shape`)."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
@@ -94,6 +101,16 @@ def load_service(
         raise ConfigError(f"serve: --max-batch must be at least 1, got {max_batch}")
     if tokens_per_call < 1:
         raise ConfigError(f"serve: --tokens-per-call must be at least 1, got {tokens_per_call}")
+    if prefix_cache is not None and prefix_cache < 0:
+        raise ConfigError(f"serve: --prefix-cache is a number of prompts (0: off), got {prefix_cache}")
+    if prefix_cache and fixed_shape:
+        raise ConfigError(
+            "serve: --prefix-cache with --fixed-shape: a prefill over a cached prefix rounds differently "
+            "(within 1e-5), so replies would not be bitwise independent of other requests; "
+            "use --prefix-cache 0 or leave --fixed-shape out"
+        )
+    if prefix_cache is None:
+        prefix_cache = 0 if fixed_shape else PREFIX_CACHE
     tok = load_tokenizer(tok_dir)
     ids = special_token_ids(tok_dir, tok)
     chat, missing = None, ""
@@ -119,6 +136,7 @@ def load_service(
         tokens_per_call=tokens_per_call,
         fixed_shape=fixed_shape,
         fingerprint=weights,
+        prefix_cache=prefix_cache,
     )
     why = (
         f"--max-len {max_len}" if max_len is not None else "the model's whole context: --max-len L takes less"
@@ -127,6 +145,11 @@ def load_service(
         f"serve: KV cache {engine.max_batch} rows x {engine.max_len} slots x {jnp.dtype(engine.kv_dtype).name} "
         f"= {engine.kv_cache_bytes() / 2**20:.1f} MiB (--max-batch {engine.max_batch}; {why})"
     )
+    if prefix_cache:
+        _say(
+            f"serve: prefix cache {prefix_cache} prompts x {engine.max_len} slots = "
+            f"{engine.prefix_cache_bytes() / 2**20:.1f} MiB (--prefix-cache N; 0: off)"
+        )
     _compile(engine)
     engine.start()
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
