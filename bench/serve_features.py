@@ -14,9 +14,18 @@ Reported per mode: requests, completion tokens, aggregate tokens/s; for structur
 that ended ("stop") and how many of them parse and validate against their schema (`jsonschema`),
 and those cut at max_tokens. The cost is 1 - structured tokens/s / plain tokens/s (target <= 10%), per round; the median and range
 of `--repeat` rounds (plain then structured in each, one server) are reported.
-Other features of issue 30 (prefix cache, speculation) are not built yet and not measured here.
 
-    .venv/bin/python bench/serve_features.py [--seconds 60] [--repeat 3] [--out bench/results/serve_features.json]
+The prefix cache (`--feature prefix`): the same model behind `--max-len 1024`, 16 streaming clients
+sending a shared 512-token system prompt followed by a 10..40-token question (`max_tokens` 16,
+`ignore_eos`), then the same load with a fresh random 512 tokens in front of each question (unique
+prompts, nothing to share). Each round starts a server with `--prefix-cache 0` and one with the
+default cache, warms each with 10 s of the shared load (the cache's shorter prefills compile on
+their first use), and measures both loads on each. Reported per round: requests/s and median time
+to first token (shared prompts, cache on / off: targets >= 3x and <= 0.3x) and what unique prompts
+lose with the cache on (target < 3%); the median and range of `--repeat` rounds.
+Speculation (issue 30) is not built yet and not measured here.
+
+    .venv/bin/python bench/serve_features.py [--feature structured|prefix|all] [--seconds 60] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -107,6 +116,105 @@ def run_mode(url: str, seconds: float, first_id: int, replay: dict | None = None
     return out, record
 
 
+PREFIX_LEN, PREFIX_MAX_LEN, PREFIX_REPLY = 512, 1024, 16
+
+
+def prefix_load(url: str, seconds: float, first_id: int, shared: bool) -> dict:
+    """16 streaming clients for `seconds`: a 512-token system prompt (the same one for all when
+    `shared`, else fresh random tokens per request) and a 10..40-token question each, 16 tokens
+    back. Requests/s, tokens/s and the median time to first token (the first streamed token)."""
+    system = random.Random(0).choices(range(first_id, bench.SHAPE["vocab_size"]), k=PREFIX_LEN)
+    ttfts: list[float] = []
+    counts = {"requests": 0, "tokens": 0, "failed": 0}
+    lock, stop_at = threading.Lock(), time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        rng = random.Random(1000 + i)
+        ids = range(first_id, bench.SHAPE["vocab_size"])
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < stop_at:
+                head = system if shared else rng.choices(ids, k=PREFIX_LEN)
+                prompt = head + rng.choices(ids, k=rng.randint(10, 40))
+                body = {"model": bench.MODEL_NAME, "prompt": prompt, "max_tokens": PREFIX_REPLY,
+                        "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+                t0, first, tokens = time.monotonic(), None, 0
+                with http.stream("POST", url + "/v1/completions", json=body) as r:
+                    ok = r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            first = first or time.monotonic()
+                            tokens += 1
+                with lock:
+                    counts["requests"] += 1
+                    counts["failed"] += not ok or first is None
+                    counts["tokens"] += PREFIX_REPLY if ok else 0
+                    if first is not None:
+                        ttfts.append(first - t0)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    ttfts.sort()
+    return {
+        **counts, "seconds": round(wall, 2), "requests_per_s": round(counts["requests"] / wall, 3),
+        "tokens_per_s": round(counts["tokens"] / wall, 1), "ttft_median_s": round(ttfts[len(ttfts) // 2], 4),
+    }  # fmt: skip
+
+
+def _scrape(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def measure_prefix(run_dir: Path, tmp: Path, first_id: int, seconds: float, repeat: int) -> dict:
+    rounds = []
+    for k in range(repeat):
+        modes = {}
+        for mode, flag in (("off", "0"), ("on", None)):
+            extra = ("--max-len", str(PREFIX_MAX_LEN), *(("--prefix-cache", flag) if flag else ()))
+            proc, url = bench.start_server(run_dir, tmp / f"prefix-{k}-{mode}.log", 8, None, False, extra)
+            try:
+                prefix_load(url, 10, first_id, shared=True)  # warm-up: the shorter prefills compile
+                before = _scrape(url)
+                shared = prefix_load(url, seconds, first_id, shared=True)
+                after = _scrape(url)
+                unique = prefix_load(url, seconds, first_id, shared=False)
+            finally:
+                bench.stop_server(proc)
+            hits = "shipyard_prefix_cache_hits_total"
+            shared["prefix_hits"] = after.get(hits, 0) - before.get(hits, 0)
+            modes[mode] = {"shared": shared, "unique": unique}
+        on, off = modes["on"], modes["off"]
+        rounds.append({
+            **modes,
+            "shared_requests_per_s_ratio": round(on["shared"]["requests_per_s"] / off["shared"]["requests_per_s"], 3),
+            "shared_ttft_ratio": round(on["shared"]["ttft_median_s"] / off["shared"]["ttft_median_s"], 3),
+            "unique_loss": round(1 - on["unique"]["tokens_per_s"] / off["unique"]["tokens_per_s"], 3),
+        })  # fmt: skip
+        print(json.dumps(rounds[-1]), flush=True)
+
+    def spread(key: str) -> dict:
+        values = sorted(r[key] for r in rounds)
+        return {"median": values[len(values) // 2], "range": [values[0], values[-1]]}
+
+    return {
+        "shared_requests_per_s_ratio": spread("shared_requests_per_s_ratio"),
+        "shared_ttft_ratio": spread("shared_ttft_ratio"),
+        "unique_loss": spread("unique_loss"),
+        "failed_requests": sum(r[m][load]["failed"] for r in rounds for m in ("on", "off") for load in ("shared", "unique")),
+        "rounds": rounds,
+        "config": {"seconds": seconds, "repeat": repeat, "clients": CLIENTS, "system_prompt": PREFIX_LEN,
+                   "question": [10, 40], "max_tokens": PREFIX_REPLY, "max_len": PREFIX_MAX_LEN,
+                   "prefix_cache": "default (2) vs 0"},
+    }  # fmt: skip
+
+
 def main() -> None:
     from shipyard import cpu_tuning
 
@@ -116,31 +224,44 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long each mode runs")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (plain then structured in each)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_features.json"))
+    ap.add_argument("--feature", choices=("structured", "prefix", "all"), default="all")
     args = ap.parse_args()
+    # the file holds each feature's last measurement: one run of one feature keeps the others'
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
     with tempfile.TemporaryDirectory(prefix="shipyard-servefeatures-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         first_id = bench.write_tokenizer(run_dir / "tokenizer", Path(tmp))
         bench.write_run(run_dir, first_id)
-        proc, url = bench.start_server(run_dir, Path(tmp) / "server.log", 8, None, False)
-        try:
-            run_mode(url, 5, first_id)  # warm-up: the grammar tokenizer, allocators
-            rounds = []
-            for _ in range(args.repeat):
-                structured, record = run_mode(url, args.seconds, first_id)
-                plain, _ = run_mode(url, args.seconds, first_id, replay=record)
-                cost = 1 - structured["tokens_per_s"] / plain["tokens_per_s"]
-                rounds.append({"plain": plain, "structured": structured, "cost": round(cost, 3)})
-                print(json.dumps(rounds[-1]), flush=True)
-        finally:
-            bench.stop_server(proc)
+        if args.feature in ("prefix", "all"):
+            result["prefix_cache"] = measure_prefix(run_dir, Path(tmp), first_id, args.seconds, args.repeat)
+        if args.feature in ("structured", "all"):
+            result.update(measure_structured(run_dir, Path(tmp), first_id, args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+def measure_structured(run_dir: Path, tmp: Path, first_id: int, args) -> dict:
+    """Structured output's cost: `--repeat` rounds of structured then the same requests plain."""
+    proc, url = bench.start_server(run_dir, tmp / "server.log", 8, None, False)
+    try:
+        run_mode(url, 5, first_id)  # warm-up: the grammar tokenizer, allocators
+        rounds = []
+        for _ in range(args.repeat):
+            structured, record = run_mode(url, args.seconds, first_id)
+            plain, _ = run_mode(url, args.seconds, first_id, replay=record)
+            cost = 1 - structured["tokens_per_s"] / plain["tokens_per_s"]
+            rounds.append({"plain": plain, "structured": structured, "cost": round(cost, 3)})
+            print(json.dumps(rounds[-1]), flush=True)
+    finally:
+        bench.stop_server(proc)
     costs = sorted(r["cost"] for r in rounds)
-    stop = sum(r["structured"]["stop"] for r in rounds)
-    result = {
+    return {
         "structured_output": {
             "cost_median": costs[len(costs) // 2],
             "cost_range": [costs[0], costs[-1]],
-            "ended": stop,
+            "ended": sum(r["structured"]["stop"] for r in rounds),
             "valid_of_ended": sum(r["structured"]["valid"] for r in rounds),
             "failed_requests": sum(r["plain"]["failed"] + r["structured"]["failed"] for r in rounds),
             "rounds": rounds,
@@ -150,9 +271,6 @@ def main() -> None:
             "schemas": 60,
         },
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

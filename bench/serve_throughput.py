@@ -159,9 +159,15 @@ def _free_port() -> int:
 
 
 def start_server(
-    run_dir: Path, log: Path, tokens_per_call: int, quantize: str | None, fixed_shape: bool
+    run_dir: Path,
+    log: Path,
+    tokens_per_call: int,
+    quantize: str | None,
+    fixed_shape: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
-    """`shipyard serve` in a child process; returns once /health answers (the engine is compiled)."""
+    """`shipyard serve` in a child process; returns once /health answers (the engine is compiled).
+    `extra`: more flags (a flag given again there wins over the one set here)."""
     import httpx
 
     port = _free_port()
@@ -170,6 +176,7 @@ def start_server(
     cmd += ["--tokens-per-call", str(tokens_per_call)]
     cmd += ["--quantize", quantize] if quantize else []
     cmd += ["--fixed-shape"] if fixed_shape else []
+    cmd += list(extra)
     with log.open("w") as f:
         proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}

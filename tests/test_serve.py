@@ -805,11 +805,26 @@ def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path
     )
 
 
+def _warm_prefix(server, head: list[int]) -> None:
+    """Send prompts starting with `head` until one is prefilled from the prefix cache (the server
+    compiles the shorter prefill on a thread the first time it could use it, prefilling whole
+    meanwhile)."""
+    hits = _scrape(server).get(("shipyard_prefix_cache_hits_total",), 0.0)
+    for tail in range(5, 400):
+        body = {"model": "tiny-chat", "prompt": [*head, tail], "max_tokens": 1}
+        assert _post(server, "/v1/completions", body).status_code == 200
+        if _scrape(server)[("shipyard_prefix_cache_hits_total",)] > hits:
+            return
+        time.sleep(0.2)
+    raise AssertionError("no prompt was prefilled from the prefix cache")
+
+
 def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, run_dir, tmp_path):
     """16 clients at once (the server has 8 slots: requests queue, join and leave a running batch),
-    random prompt and reply lengths, echo + logprobs: each reply is the greedy continuation of
-    transformers' Llama run in float64 on the exported weights, and every served log-prob (prompt
-    and reply) equals that forward's log_softmax within 1e-5."""
+    random prompt and reply lengths, echo + logprobs, half of them after a shared 40-token head (so
+    prefilled from the prefix cache): each reply is the greedy continuation of transformers' Llama
+    run in float64 on the exported weights, and every served log-prob (prompt and reply) equals that
+    forward's log_softmax within 1e-5."""
     import random
 
     import numpy as np
@@ -817,10 +832,19 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
     from shipyard.data.tokenizer import load_tokenizer
 
     rng = random.Random(7)
+    head = [rng.randrange(5, 400) for _ in range(40)]
+    _warm_prefix(server, head)
+    before = _scrape(server)
+    prompts = [
+        [*head, *(rng.randrange(5, 400) for _ in range(rng.randint(1, 16)))]
+        if i % 2
+        else [rng.randrange(5, 400) for _ in range(rng.randint(2, 40))]
+        for i in range(16)
+    ]
     bodies = [
-        {"model": "tiny-chat", "prompt": [rng.randrange(5, 400) for _ in range(rng.randint(2, 40))],
-         "max_tokens": rng.randint(1, 24), "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
-        for _ in range(16)
+        {"model": "tiny-chat", "prompt": prompt, "max_tokens": rng.randint(1, 24), "temperature": 0,
+         "ignore_eos": True, "echo": True, "logprobs": 1}
+        for prompt in prompts
     ]  # fmt: skip
     results: dict = {}
 
@@ -840,6 +864,19 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
         assert choice["text"] == tok.decode(ids, skip_special_tokens=False), i
         served = choice["logprobs"]["token_logprobs"]
         np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
+    after = _scrape(server)
+    # the prompts after the head took its 40 tokens from the cache; the default 2 rows may both have
+    # gone to the unique prompts when two of those came in a row, so a few may have missed
+    assert after[("shipyard_prefix_cache_hits_total",)] - before[("shipyard_prefix_cache_hits_total",)] >= 6
+    assert (
+        after[("shipyard_prefix_cache_hit_tokens_total",)]
+        - before[("shipyard_prefix_cache_hit_tokens_total",)]
+        >= 240
+    )
+    assert (
+        after[("shipyard_prefix_cache_saved_tokens_total",)]
+        > before[("shipyard_prefix_cache_saved_tokens_total",)]
+    )
 
 
 def test_start_up_says_in_its_log_what_it_loaded_allocated_and_compiled(server, run_dir):
