@@ -180,3 +180,28 @@ def test_n_samples_of_a_prompt_share_one_prefill_and_equal_each_alone():
     assert rows_prefilled == [1, 1, 1]  # the lone request, then each group of 4: one prompt row each
     with pytest.raises(ValueError, match="does not fit 5 slots"):
         engine.submit_group([Request(prompt, Sampling(max_tokens=2), lambda *a: None)] * 6)
+
+
+def test_replies_crossing_a_decode_shape_boundary_equal_the_full_forward():
+    """A reply whose decode call ends exactly at a decode shape's last slot (a prompt in the 32-slot
+    bucket, 8 steps a call: 32 + 4 x 8 = 64) goes on in the next shape with nothing lost. The
+    regression: that row's position was held at 63, so the next call wrote over its last token,
+    and every reply of a short prompt past 32 tokens went wrong there (greedy equal to a sized
+    engine's own, wrong against the model). The reference is the full forward, greedy, one token at
+    a time (right-padded to one length: causal, so the padding changes nothing before it)."""
+    import jax
+
+    from shipyard.model.transformer import logits
+
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=3, seed=2, scale=0.2)
+    prompt, new = RNG.integers(3, cfg.vocab_size, size=20).tolist(), 60
+    full = jax.jit(lambda ids: logits(params, ids, cfg))
+    ids = list(prompt)
+    for _ in range(new):
+        padded = np.zeros((1, 128), np.int32)
+        padded[0, : len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(full(jnp.asarray(padded)))[0, len(ids) - 1])))
+    for per_call in (8, 1):
+        engine = Engine(params, cfg, max_batch=2, max_len=128, tokens_per_call=per_call)
+        assert complete(engine, [prompt], new)[0] == ids[len(prompt) :], per_call

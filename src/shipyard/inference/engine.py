@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.config import ModelConfig
-from shipyard.inference import cpu_decode
+from shipyard.inference import cpu_decode, speculation
 from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
 from shipyard.inference.prefix_cache import PrefixIndex, init_store, keep, recall
 from shipyard.inference.sampling import Sampling, pick_tokens
 from shipyard.model import quant
@@ -75,6 +76,8 @@ class Request:
     constraint: object | None = None
     """Structured output (`grammar.Constraint`): `mask()` gives the tokens allowed next (uint32 bit
     words), `advance(token)` is told each token picked. Such a request decodes one token per call."""
+    context: list[int] = dataclasses.field(default_factory=list)
+    """The prompt and the tokens delivered so far, where an engine that speculates drafts from."""
 
     def cancel(self) -> None:
         """Stop generating (a client went away, a stop string matched): the slot is freed at the next step."""
@@ -209,22 +212,32 @@ def _decode_steps(
     `Engine._tick`). `allowed` [max_batch, words] restricts the first step's pick when `masked`
     (structured output; `restrict`); the log-probs stay the model's own.
     """
+
+    def run(rows, caches):
+        return _steps(
+            weights,
+            rows,
+            caches,
+            want_logprobs,
+            steps,
+            allowed[:n_rows],
+            masked,
+            forward=forward,
+            chunk=chunk,
+            span=span,
+            plain=plain,
+        )
+
+    return _in_corner(run, rows, caches, n_rows, span, axes)
+
+
+def _in_corner(fn, rows: Rows, caches, n_rows: int, span: int, axes):
+    """fn(rows, caches) -> (out, rows, caches) run on the first `n_rows` rows and `span` cache slots
+    only (a copy of that corner, written back in place afterwards): (out, all rows, all caches)."""
     full_rows, full_caches = rows, caches
     rows = jax.tree.map(lambda x: x[:n_rows], rows)
     caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
-    out, rows, caches = _steps(
-        weights,
-        rows,
-        caches,
-        want_logprobs,
-        steps,
-        allowed[:n_rows],
-        masked,
-        forward=forward,
-        chunk=chunk,
-        span=span,
-        plain=plain,
-    )
+    out, rows, caches = fn(rows, caches)
     rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
     caches = _map_cache(
         lambda name, full, part: jax.lax.dynamic_update_slice(full, part, [0] * full.ndim),
@@ -232,6 +245,46 @@ def _decode_steps(
         caches,
     )
     return out, rows, caches
+
+
+def _verify_drafts(
+    weights, rows: Rows, caches, drafts, want_logprobs, *, forward, n_rows: int, span: int, axes
+):
+    """One speculative call (inference/speculation.py) for the first `n_rows` rows over the first
+    `span` cache slots: each row's last token and its drafts [max_batch, k] in one forward, then
+    (tokens [n_rows, k+1], kept [n_rows], their logprobs, rows, caches): row b's reply goes on with
+    tokens[b, :kept[b]] (greedy rows by `speculation.verify`, sampled ones by
+    `speculation.accept_sampled`). The caller makes sure every row's pos + k + 1 fits in `span`."""
+
+    def run(rows, caches):
+        drafted = drafts[:n_rows]
+        tokens = jnp.concatenate([rows.last[:, None], jnp.maximum(drafted, 0)], axis=1)
+        logits, caches = forward(weights, tokens, caches, rows.pos, rows.start)
+        greedy, kept = speculation.verify(logits, drafted)
+        hot = rows.temperature > 0
+
+        def sampled(_):  # the rejection rule for the sampled rows (greedy ones keep the greedy check)
+            picked, n, keys = speculation.accept_sampled(
+                logits, drafted, rows.key, rows.temperature, rows.top_k, rows.top_p
+            )
+            return (
+                jnp.where(hot[:, None], picked, greedy),
+                jnp.where(hot, n, kept),
+                jnp.where(hot, keys, rows.key),
+            )
+
+        tokens, kept, key = jax.lax.cond(jnp.any(hot), sampled, lambda _: (greedy, kept, rows.key), None)
+        flat = logits.reshape(-1, logits.shape[-1])
+        chosen, best, ids = jax.lax.cond(
+            want_logprobs, token_logprobs, _no_logprobs, flat, tokens.reshape(-1)
+        )
+        n, t = tokens.shape
+        logprobs = (chosen.reshape(n, t), best.reshape(n, t, -1), ids.reshape(n, t, -1))
+        last = jnp.take_along_axis(tokens, (kept - 1)[:, None], axis=1)[:, 0]
+        rows = rows._replace(last=last, pos=jnp.minimum(rows.pos + kept, span), key=key)
+        return (tokens, kept, *logprobs), rows, caches
+
+    return _in_corner(run, rows, caches, n_rows, span, axes)
 
 
 def _corner(a, row_axis: int, slot_axis: int, n_rows: int, span: int):
@@ -280,8 +333,11 @@ def _steps(
         else:
             chosen, best, ids = jax.lax.cond(want_logprobs, token_logprobs, _no_logprobs, logits, tokens)
         out = jax.tree.map(lambda o, x: o.at[i].set(x), out, (tokens, chosen, best, ids))
-        # a row past its end (it has finished; the host ignores it) keeps overwriting its last slot
-        rows = rows._replace(last=tokens, pos=jnp.minimum(rows.pos + 1, span - 1), key=key)
+        # A busy row ends a call at most at `span` (the call's shape covers pos + steps), the slot the
+        # next call, of a larger shape, writes first: clamping it to span - 1 made that call write
+        # over the row's last token. A finished row (the host ignores it) stops at `span`, where its
+        # writes land in the last slot (out-of-range update slices are clamped).
+        rows = rows._replace(last=tokens, pos=jnp.minimum(rows.pos + 1, span), key=key)
         return out, rows, caches
 
     out = (
@@ -385,6 +441,7 @@ class Engine:
         fixed_shape: bool = False,
         fingerprint: str | None = None,
         prefix_cache: int = 0,
+        speculate: int = 0,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -393,6 +450,8 @@ class Engine:
             raise ValueError("max_batch and tokens_per_call must be at least 1")
         if prefix_cache < 0:
             raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
+        if speculate < 0:
+            raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
         if prefix_cache and fixed_shape:
             # a prefill over a cached prefix computes fewer rows, so its rounding differs (within 1e-5)
             # from the whole prefill's: a reply would depend on what was asked before it
@@ -435,15 +494,15 @@ class Engine:
         self.uses_cpu_decode = cpu_decode.supported(self.params, cfg)
         """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
-        self.prefix = PrefixIndex(prefix_cache) if prefix_cache else None
+        self.prefix = PrefixIndex(prefix_cache, min(max_len, PREFIX_SLOTS)) if prefix_cache else None
         """The prefix cache's index (None: off); its counters are what /metrics reports."""
         self._store = (
             jax.jit(lambda: init_store(cfg, prefix_cache, max_len, kv_dtype))() if prefix_cache else None
         )
-        self._suffix: dict[
+        self._aside: dict[
             tuple, object
-        ] = {}  # (Q, P, plain) -> compiled suffix prefill, None while compiling
-        self._compiler = None  # a thread compiling suffix prefills for a started engine
+        ] = {}  # programs compiled on first use: Compiled, None while compiling
+        self._compiler = None  # the thread that compiles them for a started engine
 
         def zeros():  # a buffer per field: each is donated to the decode call
             return jnp.zeros(max_batch, jnp.int32)
@@ -468,6 +527,18 @@ class Engine:
             static_argnames=("n_rows", "span", "plain"),
             compiler_options=decode_compiler_options(self.params),
         )
+        self._verify = jax.jit(
+            partial(_verify_drafts, forward=forward, axes=axes),
+            donate_argnums=(1, 2),
+            static_argnames=("n_rows", "span"),
+            compiler_options=decode_compiler_options(self.params),
+        )
+        self.speculate = speculate
+        """Draft tokens a greedy reply checks per call (inference/speculation.py; 0: off)."""
+        self.drafted = 0
+        """Draft tokens checked (counted for /metrics)."""
+        self.accepted = 0
+        """Draft tokens the model agreed with."""
         self.tokens_per_call = tokens_per_call
         self.mask_words = -(-cfg.vocab_size // 32)
         """uint32 words of a token mask (`Request.constraint`)."""
@@ -808,6 +879,13 @@ class Engine:
         for r in self._slots:  # a cancelled row frees its slot now, whether or not a call is in flight
             if r is not None and r.cancelled and not r.finished:
                 self._finish(r, [], [], "cancelled")
+        if self.speculate and self._in_flight is not None and self._speculation() is not None:
+            self._deliver(*self._in_flight)  # (its tokens are the next call's context)
+            self._in_flight = None
+        speculating = self._speculation() if self._in_flight is None else None
+        if speculating is not None:
+            self._speculate(*speculating)
+            return
         if any(r is not None and r.constraint is not None for r in self._slots):
             if self._in_flight is not None:
                 self._deliver(*self._in_flight)
@@ -849,7 +927,7 @@ class Engine:
             plain=plain,
         )
         for b in range(n_rows):
-            self._pos[b] = min(self._pos[b] + steps, span - 1)
+            self._pos[b] = min(self._pos[b] + steps, span)
         return out, list(self._slots[:n_rows]), steps
 
     def _open_mask(self, rows: int) -> jax.Array:
@@ -1016,6 +1094,8 @@ class Engine:
             if r.finished:  # its grammar failed before its first token
                 continue
             self._slots[slot], self._pos[slot] = r, P
+            if self.speculate:
+                r.context = list(r.prompt)
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
             self._take(r, [token[i]], [lp if r.sampling.logprobs else None])
 
@@ -1028,35 +1108,100 @@ class Engine:
 
     def _suffix_program(self, Q: int, P: int, plain: bool, args: list):
         """The compiled prefill of the last Q slots of a P-slot bucket over a remembered prefix, or None
-        while it is not compiled: an engine that serves (started) compiles it on a thread of its
-        own and prefills whole meanwhile, so no request waits for a compilation; an unstarted one
-        (`generate`) compiles it now, as it does every program it meets."""
-        key = (Q, P, plain)
-        if key in self._suffix:
-            return self._suffix[key]
+        while it is not compiled (`_program`)."""
         example = [*args[:3], args[3][:, P - Q :], *args[4:], (np.int32(0), np.int32(0))]
+        return self._program(("suffix", Q, P, plain), self._admit, example, bucket=P, plain=plain)
+
+    def _program(self, key: tuple, jitted, example: list, **static):
+        """`jitted` compiled for arguments shaped as `example` (and `static`), or None while it is not
+        compiled: for programs `compile` does not prepare (each use case's own shapes). An engine
+        that serves (started) compiles them on a thread of its own and runs what it has meanwhile,
+        so no request waits for a compilation; an unstarted one (`generate`) compiles now, as it
+        does every program it meets."""
+        if key in self._aside:
+            return self._aside[key]
         specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example)
 
         def build():
-            return self._admit.lower(*specs, bucket=P, plain=plain).compile()
+            return jitted.lower(*specs, **static).compile()
 
         if self._thread is None:
-            self._suffix[key] = build()
-            return self._suffix[key]
+            self._aside[key] = build()
+            return self._aside[key]
         if self._compiler is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="shipyard-compile")
-        self._suffix[key] = None
+        self._aside[key] = None
 
         def done(future):
             if future.exception() is None:
-                self._suffix[key] = future.result()
+                self._aside[key] = future.result()
             else:
-                log.error("compiling a prefix-cache prefill failed: %s", future.exception())
+                log.error("compiling %s failed: %s", key, future.exception())
 
         self._compiler.submit(build).add_done_callback(done)
         return None
+
+    def programs_ready(self) -> bool:
+        """Whether every program the engine started compiling on its thread is compiled."""
+        return all(program is not None for program in list(self._aside.values()))
+
+    # -- speculative decoding (inference/speculation.py) --
+
+    def _speculation(self):
+        """(compiled verify program, rows, span) when the next call may speculate: no busy row is
+        structured, a reply needs more than one more token, and the k+1 slots fit; else None (a
+        plain decode call)."""
+        k = self.speculate
+        busy = [(b, r) for b, r in enumerate(self._slots) if r is not None]
+        if not k or not busy or self._steps_needed() < 2:
+            return None
+        if any(r.constraint is not None for _, r in busy):
+            return None
+        n_rows, span = self.shape(k + 1)
+        if max(self._pos[b] for b, _ in busy) + k + 1 > span:  # (near the end of the context)
+            return None
+        example = [
+            self.decode_weights,
+            self._rows,
+            self._caches,
+            np.zeros((self.max_batch, k), np.int32),
+            np.bool_(False),
+        ]
+        program = self._program(("verify", n_rows, span), self._verify, example, n_rows=n_rows, span=span)
+        return None if program is None else (program, n_rows, span)
+
+    def _speculate(self, program, n_rows: int, span: int) -> None:
+        """One speculative call, delivered at once (the next call's drafts depend on its tokens)."""
+        k = self.speculate
+        drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
+        owners = list(self._slots[:n_rows])
+        for b, r in enumerate(owners):
+            if r is not None:
+                drafts[b] = speculation.lookup_draft(r.context, k)
+        want = any(r.sampling.logprobs for r in owners if r is not None)
+        out, self._rows, self._caches = program(
+            self.decode_weights, self._rows, self._caches, jnp.asarray(drafts), np.bool_(want)
+        )
+        greedy, kept, chosen, best, ids = (np.asarray(x) for x in out)
+        for b, request in enumerate(owners):
+            self._pos[b] = min(self._pos[b] + int(kept[b]), span)
+            if request is None or request.finished:
+                continue
+            if request.cancelled:
+                self._finish(request, [], [], "cancelled")
+                continue
+            n = int(kept[b])
+            self.drafted += int((drafts[b] != speculation.NO_DRAFT).sum())
+            self.accepted += n - 1
+            lp = [None] * n
+            if request.sampling.logprobs:
+                lp = [
+                    (float(chosen[b, i]), list(zip(ids[b, i].tolist(), best[b, i].tolist())))
+                    for i in range(n)
+                ]
+            self._take(request, greedy[b, :n].tolist(), lp)
 
     def _deliver(self, out, owners: Sequence[Request | None], steps: int) -> None:
         tokens, chosen, best, ids = (np.asarray(x)[:steps] for x in out)
@@ -1094,6 +1239,8 @@ class Engine:
                 self._finish(request, [], [], "error")
                 return
         request.generated += len(tokens)
+        if self.speculate:
+            request.context.extend(tokens)
         if finish:
             self._finish(request, tokens, logprobs, finish)
             return
