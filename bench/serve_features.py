@@ -23,9 +23,16 @@ default cache, warms each with 10 s of the shared load (the cache's shorter pref
 their first use), and measures both loads on each. Reported per round: requests/s and median time
 to first token (shared prompts, cache on / off: targets >= 3x and <= 0.3x) and what unique prompts
 lose with the cache on (target < 3%); the median and range of `--repeat` rounds.
-Speculation (issue 30) is not built yet and not measured here.
 
-    .venv/bin/python bench/serve_features.py [--feature structured|prefix|all] [--seconds 60] [--repeat 3]
+Speculative decoding (`--feature speculation`): one streaming client continuing code (the start of
+a few of Python's own standard-library modules, as text; `max_tokens` 128, greedy, `ignore_eos`),
+against a server with `--speculate 4` and one with `--speculate 0` (`--max-len 1024`, prefix cache
+off so every request prefills alike). Reported per round: tokens/s of each and their ratio (target
+>= 1.5x), and the share of draft tokens the model agreed with. The bench model is random, not
+trained on code: what it continues is its own, and the drafts are kept only where its greedy
+reply repeats its context.
+
+    .venv/bin/python bench/serve_features.py [--feature structured|prefix|speculation|all] [--seconds 60] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -117,6 +124,67 @@ def run_mode(url: str, seconds: float, first_id: int, replay: dict | None = None
 
 
 PREFIX_LEN, PREFIX_MAX_LEN, PREFIX_REPLY = 512, 1024, 16
+CODE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "bisect", "heapq", "string", "colorsys")
+
+
+def code_prompts() -> list[str]:
+    """The first ~1,500 characters of a few standard-library modules (whole lines)."""
+    import importlib
+
+    out = []
+    for name in CODE_MODULES:
+        text = Path(importlib.import_module(name).__file__).read_text()
+        out.append(text[: text.rfind("\n", 0, 1500) + 1])
+    return out
+
+
+def speculation_load(url: str, seconds: float) -> dict:
+    """One streaming client continuing code for `seconds` (greedy, 128 tokens each): tokens/s."""
+    prompts, tokens, requests = code_prompts(), 0, 0
+    t0 = time.monotonic()
+    with httpx.Client(timeout=300) as http:
+        while time.monotonic() < t0 + seconds:
+            body = {"model": bench.MODEL_NAME, "prompt": prompts[requests % len(prompts)], "max_tokens": 128,
+                    "ignore_eos": True, "temperature": 0}  # fmt: skip
+            r = http.post(url + "/v1/completions", json=body)
+            r.raise_for_status()
+            tokens += r.json()["usage"]["completion_tokens"]
+            requests += 1
+    wall = time.monotonic() - t0
+    return {
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
+
+
+def measure_speculation(run_dir: Path, tmp: Path, seconds: float, repeat: int) -> dict:
+    rounds = []
+    for k in range(repeat):
+        modes = {}
+        for mode, flag in (("off", "0"), ("on", "4")):
+            extra = ("--max-len", str(PREFIX_MAX_LEN), "--prefix-cache", "0", "--speculate", flag)
+            proc, url = bench.start_server(run_dir, tmp / f"spec-{k}-{mode}.log", 8, None, False, extra)
+            try:
+                speculation_load(url, 15)  # warm-up: the check compiles on first use
+                modes[mode] = speculation_load(url, seconds)
+                counts = _scrape(url)
+            finally:
+                bench.stop_server(proc)
+            drafted = counts.get("shipyard_spec_decode_num_draft_tokens_total", 0)
+            accepted = counts.get("shipyard_spec_decode_num_accepted_tokens_total", 0)
+            modes[mode]["accepted_of_drafted"] = round(accepted / drafted, 3) if drafted else None
+        ratio = modes["on"]["tokens_per_s"] / modes["off"]["tokens_per_s"]
+        rounds.append({**modes, "speedup": round(ratio, 3)})
+        print(json.dumps(rounds[-1]), flush=True)
+    values = sorted(r["speedup"] for r in rounds)
+    return {
+        "speedup": {"median": values[len(values) // 2], "range": [values[0], values[-1]]},
+        "rounds": rounds,
+        "config": {"seconds": seconds, "repeat": repeat, "clients": 1, "speculate": 4, "max_tokens": 128,
+                   "prompts": [f"{m}.py (first ~1,500 characters)" for m in CODE_MODULES]},
+    }  # fmt: skip
 
 
 def prefix_load(url: str, seconds: float, first_id: int, shared: bool) -> dict:
@@ -224,7 +292,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long each mode runs")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (plain then structured in each)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_features.json"))
-    ap.add_argument("--feature", choices=("structured", "prefix", "all"), default="all")
+    ap.add_argument("--feature", choices=("structured", "prefix", "speculation", "all"), default="all")
     args = ap.parse_args()
     # the file holds each feature's last measurement: one run of one feature keeps the others'
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -235,6 +303,8 @@ def main() -> None:
         bench.write_run(run_dir, first_id)
         if args.feature in ("prefix", "all"):
             result["prefix_cache"] = measure_prefix(run_dir, Path(tmp), first_id, args.seconds, args.repeat)
+        if args.feature in ("speculation", "all"):
+            result["speculation"] = measure_speculation(run_dir, Path(tmp), args.seconds, args.repeat)
         if args.feature in ("structured", "all"):
             result.update(measure_structured(run_dir, Path(tmp), first_id, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def test_replies_and_logprobs_with_the_cache_equal_those_without(params):
 def test_the_least_recently_used_prompt_is_evicted():
     """Two rows, three heads: the third prompt evicts the first one's row (used least recently), so
     its next prompt misses, while the third's hits."""
-    index = PrefixIndex(2)
+    index = PrefixIndex(2, 64)
     a, b, c = (_head(40, s) for s in (1, 2, 3))
     for p in (a, b, c):
         index.commit(p, index.plan(p), used=False)
@@ -91,6 +91,9 @@ def test_the_least_recently_used_prompt_is_evicted():
     assert index.plan(b + [5]).length == 0 and index.plan(c + [6]).length == 40
     same = index.plan(c + [5])  # the same prompt again: all but its last token, and no new row
     assert same.length == 40 and same.put == index.entries
+    long = _head(100, 7)  # longer than a row: its first 64 tokens are kept, and reused
+    index.commit(long, index.plan(long), used=False)
+    assert index.plan(long[:80] + [1]).length == 64 and index.held_tokens() <= 3 * 64
 
 
 def test_a_serving_engine_compiles_the_shorter_prefill_aside_and_n_samples_share_it(params):
@@ -113,7 +116,7 @@ def test_a_serving_engine_compiles_the_shorter_prefill_aside_and_n_samples_share
         run_requests(engine, [head + tails[2]], [SAMPLING])  # a hit, but the program is compiling
         assert engine.prefix.hits == 0
         for _ in range(600):  # (the thread's compilation: about 2 s here)
-            if all(program is not None for program in engine._suffix.values()):
+            if engine.programs_ready():
                 break
             threading.Event().wait(0.1)
         results: dict = {}

@@ -50,6 +50,7 @@ def _cmd_serve(args) -> int:
         fixed_shape=args.fixed_shape,
         tool_parser=args.tool_parser,
         prefix_cache=args.prefix_cache,
+        speculate=args.speculate,
     )
     if cache:
         print(
@@ -133,6 +134,14 @@ def register(sub) -> None:
         metavar="N",
         help="keep the keys and values of the last N prompts, so a prompt sharing a prefix with one of "
         "them computes only the rest (default 2; 0: off; off with --fixed-shape)",
+    )
+    sv.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="greedy replies guess K tokens a call from their own context (prompt lookup) and keep what "
+        "the model agrees with: the same text, faster where replies repeat their context (default 0: off)",
     )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
     sv.add_argument(

@@ -160,14 +160,17 @@ def prepare_weights(params, cfg: ModelConfig) -> DecodeWeights:
 
 
 def decode_step(weights: DecodeWeights, tokens, caches: tuple[LayerKV, ...], pos, start, *, cfg: ModelConfig):
-    """forward_cached for one token per row (tokens [batch, 1]) on `prepare_weights` and per-layer caches.
+    """forward_cached for a few tokens per row (tokens [batch, T]: one in a decode step, a reply's
+    last token and its drafts when speculating) on `prepare_weights` and per-layer caches.
 
     `pos` is a scalar or [batch] (each row at its own slot). Returns logits
-    [batch, 1, vocab] and the updated caches.
+    [batch, T, vocab] and the updated caches.
     """
-    cos, sin = attention.rope_tables(cfg, (pos - start)[:, None])  # counted from the row's first real token
-    q_slots, keys = jnp.asarray(pos)[..., None] + jnp.arange(1), jnp.arange(caches[0].v.shape[2])
-    x = jnp.take(weights.embed, tokens, axis=0)  # [batch, 1, embed]
+    q_slots = jnp.asarray(pos)[..., None] + jnp.arange(tokens.shape[1])  # [T] or [batch, T]
+    # RoPE positions counted from the row's first real token
+    cos, sin = attention.rope_tables(cfg, (q_slots if q_slots.ndim == 2 else q_slots[None]) - start[:, None])
+    keys = jnp.arange(caches[0].v.shape[2])
+    x = jnp.take(weights.embed, tokens, axis=0)  # [batch, T, embed]
     new_caches = []
     for p, c in zip(weights.layers, caches):
         seen = attention.mask(q_slots, keys, p.window, first_key=start)

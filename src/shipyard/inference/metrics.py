@@ -37,6 +37,8 @@ class ServeMetrics:
             r.register(_SwapCounts(swapper))
         if engine.prefix is not None:
             r.register(_PrefixCounts(engine.prefix))
+        if engine.speculate:
+            r.register(_SpeculationCounts(engine))
         Gauge("shipyard_queue_depth", "Requests waiting for a free slot", registry=r).set_function(
             engine.pending
         )
@@ -151,3 +153,23 @@ class _PrefixCounts:
             "shipyard_prefix_cache_entries", "Prompts the prefix cache can hold (--prefix-cache)",
             value=self.index.entries,
         )  # fmt: skip
+
+
+class _SpeculationCounts:
+    """Speculative decoding's draft tokens checked and kept (inference/speculation.py), read from the
+    engine when scraped; vLLM's names under `shipyard_`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        for name, doc, value in (
+            ("spec_decode_num_draft_tokens", "Draft tokens checked", self.engine.drafted),
+            ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with", self.engine.accepted),
+        ):
+            family = CounterMetricFamily(f"shipyard_{name}", doc)
+            family.add_metric([], value)
+            yield family

@@ -12,8 +12,9 @@ logits come from the same model over the same keys. The prefill the cache skips 
 attention over the same `max_len` keys with fewer query rows; tests/test_prefix_cache.py checks
 that replies and log-probs equal those with the cache off.
 
-The store is `entries` rows of `max_len` slots on the device (the prefill's [layers, rows, slots,
-kv_heads, head_dim] layout); `PrefixIndex` keeps on the host which prompt each row holds and when
+The store is `entries` rows of up to `SLOTS` slots on the device (the prefill's [layers, rows,
+slots, kv_heads, head_dim] layout; a longer prompt keeps its first `SLOTS` tokens, the part a
+system prompt or few-shot examples share); `PrefixIndex` keeps on the host which prompt each row holds and when
 it was last used, and picks the row with the longest common prefix (no block granularity: any
 prefix length can be reused, as each row holds a whole prompt). A new prompt replaces the row it
 extends (a conversation's next turn), else the least recently used one.
@@ -30,10 +31,14 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference.decode import KVCache, init_cache
 
+SLOTS = 2048
+"""The most tokens of a prompt the store keeps (a row of a server with a shorter context: its length).
+A row of a 135M-class model's 8,192-slot context would take 180 MiB; 2,048 slots, 45 MiB."""
+
 
 def init_store(cfg: ModelConfig, entries: int, max_len: int, dtype) -> KVCache:
-    """An empty store of `entries` prompts of up to `max_len` tokens each."""
-    return init_cache(cfg, entries, max_len, dtype)
+    """An empty store of `entries` prompts of up to `min(max_len, SLOTS)` tokens each."""
+    return init_cache(cfg, entries, min(max_len, SLOTS), dtype)
 
 
 def recall(store: KVCache, cache: KVCache, entry, length, start) -> KVCache:
@@ -80,8 +85,10 @@ class Reuse:
 class PrefixIndex:
     """Which prompt each store row holds, and the least recently used one (host side; engine thread)."""
 
-    def __init__(self, entries: int):
+    def __init__(self, entries: int, slots: int):
         self.entries = entries
+        self.slots = slots
+        """Tokens a row holds: a longer prompt is kept up to there (its prefix is what others share)."""
         self._held: list[np.ndarray | None] = [None] * entries
         self._used = [0] * entries
         self._clock = 0
@@ -124,7 +131,7 @@ class PrefixIndex:
         if reuse.entry >= 0 and used:
             self._used[reuse.entry] = self._clock
         if reuse.put < self.entries:
-            self._held[reuse.put] = np.asarray(prompt)
+            self._held[reuse.put] = np.asarray(prompt[: self.slots])
             self._used[reuse.put] = self._clock
 
     def clear(self) -> None:

@@ -82,11 +82,13 @@ def load_service(
     fixed_shape: bool = False,
     tool_parser: str = "auto",
     prefix_cache: int | None = None,
+    speculate: int = 0,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
     (`hot_swap.Swapper`) of the same kind. `tool_parser`: the tool-call format replies are read in
     (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls.
-    `prefix_cache`: prompts whose K/V are kept for reuse (None: `PREFIX_CACHE`, 0 with `fixed_shape`)."""
+    `prefix_cache`: prompts whose K/V are kept for reuse (None: `PREFIX_CACHE`, 0 with `fixed_shape`).
+    `speculate`: draft tokens a greedy reply checks per decode call (prompt lookup; 0: off)."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
@@ -111,6 +113,8 @@ def load_service(
         )
     if prefix_cache is None:
         prefix_cache = 0 if fixed_shape else PREFIX_CACHE
+    if speculate < 0:
+        raise ConfigError(f"serve: --speculate is a number of draft tokens (0: off), got {speculate}")
     tok = load_tokenizer(tok_dir)
     ids = special_token_ids(tok_dir, tok)
     chat, missing = None, ""
@@ -137,6 +141,7 @@ def load_service(
         fixed_shape=fixed_shape,
         fingerprint=weights,
         prefix_cache=prefix_cache,
+        speculate=speculate,
     )
     why = (
         f"--max-len {max_len}" if max_len is not None else "the model's whole context: --max-len L takes less"
@@ -147,7 +152,7 @@ def load_service(
     )
     if prefix_cache:
         _say(
-            f"serve: prefix cache {prefix_cache} prompts x {engine.max_len} slots = "
+            f"serve: prefix cache {prefix_cache} prompts x {engine.prefix.slots} slots = "
             f"{engine.prefix_cache_bytes() / 2**20:.1f} MiB (--prefix-cache N; 0: off)"
         )
     _compile(engine)

@@ -1,0 +1,134 @@
+"""Speculative decoding with prompt lookup (inference/speculation.py): the drafts, the check, and an
+engine that speculates giving the text an engine that does not gives."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_fixtures import run_requests
+from model_fixtures import noisy_params
+
+from shipyard.config import load_config
+from shipyard.inference.engine import Engine, Sampling
+from shipyard.inference.speculation import NO_DRAFT, lookup_draft, verify
+
+CFG = load_config("tiny").model
+MAX_LEN = 160
+
+
+def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_tail():
+    assert lookup_draft([1, 2, 3, 4, 1, 2], 3).tolist() == [3, 4, 1]  # no 3-gram match: the 2-gram [1, 2]
+    assert lookup_draft([5, 6, 7, 9, 5, 6, 7, 8, 5, 6, 7], 2).tolist() == [8, 5]  # the latest one
+    assert lookup_draft([7, 8, 9, 7, 8], 4).tolist() == [9, 7, 8, NO_DRAFT]  # cut by the context's end
+    assert lookup_draft([1, 2, 3], 2).tolist() == [NO_DRAFT, NO_DRAFT]  # nothing repeats
+    assert lookup_draft([4], 2).tolist() == [NO_DRAFT, NO_DRAFT]
+
+
+def test_drafts_are_kept_up_to_the_first_the_model_disagrees_with():
+    vocab = 6
+    choices = np.array([[2, 3, 4, 5], [1, 1, 1, 1], [0, 5, 5, 5]])  # the model's argmax at each position
+    logits = jnp.asarray(np.eye(vocab)[choices] * 3.0)
+    drafts = jnp.asarray([[2, 3, 0], [1, 1, 1], [4, 5, 5]])
+    greedy, kept = verify(logits, drafts)
+    assert np.asarray(greedy).tolist() == choices.tolist()
+    # row 0: 2, 3 agree, 0 does not (the model says 4): 2 drafts + the model's 4; row 1: all + 1; row 2: none
+    assert np.asarray(kept).tolist() == [3, 4, 1]
+    _, kept = verify(logits, jnp.asarray([[NO_DRAFT] * 3] * 3))
+    assert np.asarray(kept).tolist() == [1, 1, 1]
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    loop = rng.integers(3, CFG.vocab_size, size=6).tolist()
+    # repeated stretches (what prompt lookup finds) and plain random ones
+    return [loop * 4, rng.integers(3, CFG.vocab_size, size=30).tolist(), loop[:3] * 5 + [9], [11, 12] * 9]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return noisy_params(CFG, key=3, seed=2, scale=0.2)
+
+
+def test_greedy_text_is_the_same_with_speculation_on_and_off(params):
+    """Each prompt alone and all four together, in an engine that speculates 4 tokens a call and one
+    that does not: the same tokens, log-probs within 1e-5 (a forward over 5 positions sums in another
+    order than one over 1), and drafts were in fact kept (else nothing was tested)."""
+    s = Sampling(max_tokens=40, logprobs=True)
+    plain = Engine(params, CFG, max_batch=4, max_len=MAX_LEN)
+    want = [plain.generate([p], s)[0] for p in _prompts()]
+    fast = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=4)
+    alone = [fast.generate([p], s)[0] for p in _prompts()]
+    together = fast.generate(_prompts(), s)
+    for got in (alone, together):
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for c, w in zip(got, want):
+            np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
+    assert fast.accepted > 40 and fast.drafted >= fast.accepted
+
+
+def test_a_serving_engine_compiles_its_check_aside_and_gets_the_same_text(params):
+    """A started engine compiles its check on a thread and decodes plainly meanwhile, then speculates:
+    every greedy reply, alone or four at once, equals the engine without speculation's."""
+    greedy = Sampling(max_tokens=40)
+    plain = Engine(params, CFG, max_batch=4, max_len=MAX_LEN)
+    want = [plain.generate([p], greedy)[0].tokens for p in _prompts()]
+    engine = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=4).start()
+    try:
+        first = run_requests(engine, _prompts()[:1], [greedy])
+        assert tuple(first[0][0]) == want[0]
+        for _ in range(600):  # the check's compilation, on the engine's thread (seconds)
+            if engine.programs_ready():
+                break
+            threading.Event().wait(0.1)
+        before = engine.accepted
+        alone = run_requests(engine, _prompts()[:1], [greedy])
+        together = run_requests(engine, _prompts(), [greedy] * 4)
+    finally:
+        engine.stop()
+    assert tuple(alone[0][0]) == want[0] and engine.accepted > before
+    assert [tuple(t) for t, _ in together] == want
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.9)])
+def test_sampled_tokens_kept_by_the_rejection_rule_have_the_sampling_distribution(top_k, top_p):
+    """40,000 draws of the rule on fixed logits (3 positions, 2 drafts, temperature 0.9, with and
+    without top-k/top-p): the first token is distributed as plain sampling draws it; given the first
+    draft kept, so is the second; given both, the third. A rule that forgot to take the rejected
+    draft out of the resampled distribution would give it p + (1 - p) p, about 0.1 too much here."""
+    import jax
+
+    from shipyard.inference.sampling import filter_logits
+    from shipyard.inference.speculation import accept_sampled
+
+    n, vocab, temperature = 40_000, 6, 0.9
+    logits = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32) * 1.5
+    p = np.asarray(
+        jax.nn.softmax(
+            filter_logits(jnp.asarray(logits / temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+        )
+    )
+    drafts = [int(np.argsort(-p[0])[1]), int(np.argsort(-p[1])[0])]  # a likely-ish and a likely token
+    tokens, kept, _ = accept_sampled(
+        jnp.broadcast_to(jnp.asarray(logits), (n, 3, vocab)),
+        jnp.broadcast_to(jnp.asarray(drafts, jnp.int32), (n, 2)),
+        jax.random.split(jax.random.key(0), n),
+        jnp.full(n, temperature),
+        jnp.full(n, top_k, jnp.int32),
+        jnp.full(n, top_p),
+    )
+    tokens, kept = np.asarray(tokens), np.asarray(kept)
+
+    def frequencies(picked):
+        return np.bincount(picked, minlength=vocab) / len(picked)
+
+    tolerance = 4 * np.sqrt(0.25 / np.array([n, n * p[0, drafts[0]], n * p[0, drafts[0]] * p[1, drafts[1]]]))
+    np.testing.assert_allclose(frequencies(tokens[:, 0]), p[0], atol=tolerance[0])
+    first_kept = kept >= 2
+    assert np.array_equal(first_kept, tokens[:, 0] == drafts[0])
+    np.testing.assert_allclose(frequencies(tokens[first_kept, 1]), p[1], atol=tolerance[1])
+    both = kept == 3
+    np.testing.assert_allclose(frequencies(tokens[both, 2]), p[2], atol=tolerance[2])
+    assert set(np.unique(kept)) == {1, 2, 3}
