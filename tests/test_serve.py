@@ -39,7 +39,8 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(run_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    with running_server(run_dir, log, "--max-batch", "8", "--model-name", "tiny-chat", api_key=KEY) as s:
+    flags = ("--max-batch", "8", "--model-name", "tiny-chat", "--prefix-cache", "4")
+    with running_server(run_dir, log, *flags, api_key=KEY) as s:
         yield s
 
 
@@ -865,18 +866,15 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
         served = choice["logprobs"]["token_logprobs"]
         np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
     after = _scrape(server)
-    # the prompts after the head took its 40 tokens from the cache; the default 2 rows may both have
-    # gone to the unique prompts when two of those came in a row, so a few may have missed
-    assert after[("shipyard_prefix_cache_hits_total",)] - before[("shipyard_prefix_cache_hits_total",)] >= 6
-    assert (
-        after[("shipyard_prefix_cache_hit_tokens_total",)]
-        - before[("shipyard_prefix_cache_hit_tokens_total",)]
-        >= 240
-    )
-    assert (
-        after[("shipyard_prefix_cache_saved_tokens_total",)]
-        > before[("shipyard_prefix_cache_saved_tokens_total",)]
-    )
+
+    # the prompts after the head took its 40 tokens from the cache; its 4 rows may all have gone to
+    # unique prompts when several of those came in a row (the clients race), so a few may have missed
+    def grew(name: str) -> float:
+        return (
+            after[(f"shipyard_prefix_cache_{name}_total",)] - before[(f"shipyard_prefix_cache_{name}_total",)]
+        )
+
+    assert grew("hits") >= 4 and grew("hit_tokens") >= 160 and grew("saved_tokens") > 0
 
 
 def test_start_up_says_in_its_log_what_it_loaded_allocated_and_compiled(server, run_dir):
@@ -992,6 +990,9 @@ def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--max-len", "100000"], "--max-len 100000 must be in 1..256"),
         (["--port", "70000"], "is not a TCP port"),
+        (["--prefix-cache", "-1"], "--prefix-cache is a number of prompts (0: off), got -1"),
+        (["--speculate", "-2"], "--speculate is a number of draft tokens (0: off), got -2"),
+        (["--prefix-cache", "2", "--fixed-shape"], "use --prefix-cache 0 or leave --fixed-shape out"),
     ],
 )
 def test_bad_serve_flags_are_one_line(run_dir, capsys, flags, words):

@@ -25,6 +25,12 @@ call's tokens while the next call is already running. A structured reply
 which tokens may come next, so while one runs each call is one step with the
 rows' allowed-token masks as an input, read before the next call is queued.
 
+Two optional shortcuts keep every reply what it would be without them (tests/test_prefix_cache.py,
+tests/test_speculation.py): the prefix cache (`prefix_cache`, inference/prefix_cache.py) prefills
+only the part of a prompt that a recent prompt did not share, and speculation (`speculate`,
+inference/speculation.py) checks a few tokens guessed from a reply's own context in one forward.
+Their programs have shapes of their own, compiled on a thread the first time they could be used.
+
 Threads: `Engine.start` runs the loop in a daemon thread that is the only
 user of the device state. `submit` (any thread) queues a `Request`; its
 `on_tokens` callback is called from the engine thread with each burst of new

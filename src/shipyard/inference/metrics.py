@@ -4,7 +4,8 @@ One registry per app (prometheus-client's default registry is process-global, an
 process serving two apps would mix their counts). Gauges read the engine when scraped (queue depth,
 slots, KV cache in use), so nothing is sampled on the hot path; counters and histograms are
 updated when a request ends (tokens, time to first token, time per output token) and when a
-response starts (responses by status, so errors by status are `status=~"4..|5.."`).
+response starts (responses by status, so errors by status are `status=~"4..|5.."`). The prefix
+cache's and speculation's counters are read from the engine when scraped, where they are on.
 
 The names follow vLLM's where the quantity is the same (`..._prompt_tokens_total`,
 `..._time_to_first_token_seconds`), under the `shipyard_` prefix, so a dashboard built for one
