@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -205,3 +207,32 @@ def test_replies_crossing_a_decode_shape_boundary_equal_the_full_forward():
     for per_call in (8, 1):
         engine = Engine(params, cfg, max_batch=2, max_len=128, tokens_per_call=per_call)
         assert complete(engine, [prompt], new)[0] == ids[len(prompt) :], per_call
+
+
+def test_a_server_compiling_only_the_first_programs_answers_before_the_rest_are_ready():
+    """`compile(first_only=True)` prepares the one-row shape, the whole cache and the small buckets;
+    a started engine answers at once, a call that needs a shape not compiled yet running on the
+    whole cache meanwhile (the same replies as an engine that compiled everything), while
+    `compile_rest` compiles the others on a thread; then they are used."""
+    cfg = load_config("tiny").model
+    params = noisy_params(cfg, key=3, seed=2, scale=0.2)
+    prompts = _prompts(cfg.vocab_size)[:3]
+    reference = Engine(params, cfg, max_batch=4, max_len=256)
+    want = [complete(reference, [p], 100)[0] for p in prompts]
+    engine = Engine(params, cfg, max_batch=4, max_len=256)
+    engine.compile(first_only=True)
+    assert engine.first_programs()[0] == [(1, 256), (4, 256)]
+    engine.start()
+    try:
+        assert engine.compile_rest() == engine.compilations() - sum(map(len, engine.first_programs()))
+        # three at once: (4, 64) first, not compiled yet (the whole cache's shape runs them meanwhile)
+        first = _run(engine, prompts, [Sampling(max_tokens=100)] * 3)
+        for _ in range(600):
+            if engine.programs_ready():
+                break
+            threading.Event().wait(0.1)
+        assert engine._aside[("decode", 4, 64)] is not None
+        rest = _run(engine, prompts, [Sampling(max_tokens=100)] * 3)
+    finally:
+        engine.stop()
+    assert [t for t, _ in first] == want and [t for t, _ in rest] == want

@@ -505,9 +505,9 @@ class Engine:
         self._store = (
             jax.jit(lambda: init_store(cfg, prefix_cache, max_len, kv_dtype))() if prefix_cache else None
         )
-        self._aside: dict[
-            tuple, object
-        ] = {}  # programs compiled on first use: Compiled, None while compiling
+        # programs compiled on first use: Compiled, None while compiling
+        self._aside: dict[tuple, object] = {}
+        self._lazy = False  # compile(first_only=True): decode shapes and prefill buckets come from _aside
         self._compiler = None  # the thread that compiles them for a started engine
 
         def zeros():  # a buffer per field: each is donated to the decode call
@@ -688,53 +688,98 @@ class Engine:
             return [(self.max_batch, self.max_len)]
         return [(r, s) for r in _sizes(1, self.max_batch) for s in _sizes(64, self.max_len)]
 
-    def compile(self, on_shape: Callable[[], None] | None = None) -> None:
+    def compile(self, on_shape: Callable[[], None] | None = None, first_only: bool = False) -> None:
         """Compile every decode shape and prefill bucket now (before `start`), so no request waits for a
-        compilation mid-stream. Runs each once on the idle cache (idle rows hold nothing)."""
+        compilation mid-stream. Runs each once on the idle cache (idle rows hold nothing).
+
+        `first_only`: only `first_programs` now; `compile_rest`, once the engine is started, compiles
+        the others on the engine's compile thread while it serves. Until one is ready a call runs
+        on the smallest compiled shape that covers it (the whole cache at worst, which is always
+        compiled first) and a prompt on the smallest compiled bucket it fits; a prompt that fits
+        none compiled waits for its own."""
         if self._thread is not None:
             raise RuntimeError("compile the engine before starting it")
-        for n_rows, span in self.shapes():
-            out, self._rows, self._caches = self._decode(
-                self.decode_weights,
-                self._rows,
-                self._caches,
-                np.bool_(False),
-                np.int32(self.tokens_per_call),
-                self._open_mask(self.max_batch),
-                np.bool_(False),
-                n_rows=n_rows,
-                span=span,
+        shapes, buckets = self.first_programs() if first_only else (self.shapes(), self._prefill_buckets())
+        self._lazy = first_only
+        for n_rows, span in shapes:
+            program = self._program(
+                ("decode", n_rows, span), self._decode, self._decode_example(), n_rows=n_rows, span=span
             )
+            if not first_only:  # (the jitted function's own cache, which calls use without `_lazy`)
+                program = partial(self._decode, n_rows=n_rows, span=span)
+            out, self._rows, self._caches = program(*self._decode_example())
             jax.block_until_ready(out)
             if on_shape is not None:
                 on_shape()
-        k = self.max_batch  # a started engine starts every request or group with this many targets
-        for P in self._prefill_buckets():
-            tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
-            settings = (
-                jnp.zeros(k),
-                jnp.zeros(k, jnp.int32),
-                jnp.ones(k),
-                jax.random.split(jax.random.key(0), k),
-            )
-            src, slots = jnp.zeros(k, jnp.int32), jnp.full(k, self.max_batch, jnp.int32)
-            token, _, self._rows, self._caches, self._store = self._admit(
-                self.params,
-                self._rows,
-                self._caches,
-                tokens,
-                start,
-                src,
-                slots,
-                np.int32(0),
-                settings,
-                self._open_mask(k),
-                np.bool_(False),
-                *self._keep_at(None),
-            )
+        for P in buckets:
+            args = self._admit_example(P)
+            program = self._program(("admit", P), self._admit, args) if first_only else self._admit
+            token, _, self._rows, self._caches, self._store = program(*args)
             jax.block_until_ready(token)
             if on_shape is not None:
                 on_shape()
+
+    def first_programs(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """What `compile(first_only=True)` compiles: one row over the first 256+ slots (a short prompt
+        and reply alone), the whole cache (where a call that fits nothing smaller yet runs), and
+        the prefill buckets of up to 256 slots (most chat and completion prompts)."""
+        shapes = self.shapes()
+        lone = next(((r, s) for r, s in shapes if r == 1 and s >= 256), shapes[-1])
+        buckets = self._prefill_buckets()
+        return list(dict.fromkeys([lone, shapes[-1]])), [b for b in buckets if b <= max(256, buckets[0])]
+
+    def compile_rest(self) -> int:
+        """Queue what `compile(first_only=True)` left out on the compile thread (smallest first, the
+        ones short requests need soonest); returns how many. Call it once the engine is started."""
+        if self._thread is None:
+            raise RuntimeError("compile_rest compiles beside a started engine; start it first")
+        first_shapes, first_buckets = self.first_programs()
+        rest = [(r * s, ("decode", r, s)) for r, s in self.shapes() if (r, s) not in first_shapes]
+        rest += [(P, ("admit", P)) for P in self._prefill_buckets() if P not in first_buckets]
+        for _, key in sorted(rest):
+            if key[0] == "decode":
+                self._program(key, self._decode, self._decode_example(), n_rows=key[1], span=key[2])
+            else:
+                self._program(key, self._admit, self._admit_example(key[1]))
+        return len(rest)
+
+    def _decode_example(self) -> list:
+        """Arguments of a decode call that runs `tokens_per_call` steps over the idle cache."""
+        return [
+            self.decode_weights,
+            self._rows,
+            self._caches,
+            np.bool_(False),
+            np.int32(self.tokens_per_call),
+            self._open_mask(self.max_batch),
+            np.bool_(False),
+        ]
+
+    def _admit_example(self, P: int) -> list:
+        """Arguments of a started engine's prefill of one P-slot prompt that starts no request."""
+        k = self.max_batch  # a started engine starts every request or group with this many targets
+        tokens, start = jnp.zeros((1, P), jnp.int32), jnp.zeros(1, jnp.int32)
+        settings = (
+            jnp.zeros(k),
+            jnp.zeros(k, jnp.int32),
+            jnp.ones(k),
+            jax.random.split(jax.random.key(0), k),
+        )
+        src, slots = jnp.zeros(k, jnp.int32), jnp.full(k, self.max_batch, jnp.int32)
+        return [
+            self.params,
+            self._rows,
+            self._caches,
+            tokens,
+            start,
+            src,
+            slots,
+            np.int32(0),
+            settings,
+            self._open_mask(k),
+            np.bool_(False),
+            *self._keep_at(None),
+        ]
 
     def decode_compilations(self) -> int:
         """How many decode programs have been compiled so far (one per (rows, slots) shape used)."""
@@ -914,27 +959,49 @@ class Engine:
         if not steps or not any(self._slots):
             return None
         n_rows, span = self.shape(steps)
+        decode = partial(self._decode, n_rows=n_rows, span=span)
+        if self._lazy and self._thread is not None:
+            decode, (n_rows, span) = self._compiled_decode(n_rows, span)
         busy = [r for r in self._slots[:n_rows] if r is not None]
         want = any(r.sampling.logprobs for r in busy)
         # A started engine (a server) runs the general program, compiled ahead for every shape; the
         # synchronous client (generate, chat, lm-eval) compiles what it needs, and for greedy rows
         # without log-probs that is the argmax alone: half the compile time of the general step.
         plain = self._thread is None and not want and all(r.sampling.temperature <= 0 for r in busy)
-        out, self._rows, self._caches = self._decode(
-            self.decode_weights,
-            self._rows,
-            self._caches,
-            np.bool_(want),
-            np.int32(steps),
-            allowed,
-            np.bool_(constrained),
-            n_rows=n_rows,
-            span=span,
-            plain=plain,
-        )
+        args = (self.decode_weights, self._rows, self._caches, np.bool_(want), np.int32(steps), allowed)
+        if isinstance(decode, partial):
+            out, self._rows, self._caches = decode(*args, np.bool_(constrained), plain=plain)
+        else:
+            out, self._rows, self._caches = decode(*args, np.bool_(constrained))
         for b in range(n_rows):
             self._pos[b] = min(self._pos[b] + steps, span)
         return out, list(self._slots[:n_rows]), steps
+
+    def _compiled_admit(self, P: int, requests: list[Request]):
+        """(bucket, prefill program) for prompts of bucket P: P's own once compiled (queued on the
+        compile thread if it is not), meanwhile the smallest compiled bucket that leaves room for
+        every request's max_tokens, else P's jitted program (compiled now: this request waits)."""
+        self._program(("admit", P), self._admit, self._admit_example(P))
+        room = self.max_len - max(r.sampling.max_tokens for r in requests)
+        for bucket in sorted(
+            key[1] for key, program in list(self._aside.items()) if key[0] == "admit" and program
+        ):
+            if P <= bucket <= room:
+                return bucket, self._aside[("admit", bucket)]
+        return P, self._admit
+
+    def _compiled_decode(self, n_rows: int, span: int):
+        """(the compiled decode program, its (rows, slots)): the shape asked for once it is compiled
+        (queued on the compile thread if it is not), meanwhile the smallest compiled one covering it."""
+        self._program(
+            ("decode", n_rows, span), self._decode, self._decode_example(), n_rows=n_rows, span=span
+        )
+        covering = sorted((r * s, r, s) for r, s in self.shapes() if r >= n_rows and s >= span)
+        for _, r, s in covering:
+            program = self._aside.get(("decode", r, s))
+            if program is not None:
+                return program, (r, s)
+        raise RuntimeError("no compiled decode program covers the call (the whole cache's was not compiled)")
 
     def _open_mask(self, rows: int) -> jax.Array:
         """An all-allowed mask of `rows` rows (on the device, made once per row count)."""
@@ -1033,7 +1100,9 @@ class Engine:
         """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens;
         requests with the same prompt (n samples of it) share one prefill row. A lone prompt with a
         prefix the prefix cache holds is prefilled from there on (`_suffix_program`)."""
-        P = self._bucket(requests[0])
+        P, admit = self._bucket(requests[0]), self._admit
+        if self._lazy and self._thread is not None:
+            P, admit = self._compiled_admit(P, requests)
         prompts = list(dict.fromkeys(tuple(r.prompt) for r in requests))
         m = 1 << (len(prompts) - 1).bit_length()
         # a started engine uses the one target count `compile` prepared; generate's batches their own
@@ -1074,7 +1143,7 @@ class Engine:
             np.bool_(constrained),
             *self._keep_at(reuse),
         ]
-        program, Q = self._admit, P
+        program, Q = admit, P
         if reuse is not None and reuse.length:
             Q = prompt_bucket(P - int(start[0]) - reuse.length, P)
             suffix = self._suffix_program(Q, P, plain, args) if Q < P else None
@@ -1084,7 +1153,7 @@ class Engine:
                 program = suffix
                 args[3] = args[3][:, P - Q :]
                 args.append((np.int32(reuse.entry), np.int32(reuse.length)))
-        if program is self._admit:
+        if program is self._admit:  # (jitted: compiled on first use, also for `plain`)
             token, logprobs, self._rows, self._caches, self._store = self._admit(*args, plain=plain)
         else:
             token, logprobs, self._rows, self._caches, self._store = program(*args)

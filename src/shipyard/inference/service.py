@@ -157,6 +157,7 @@ def load_service(
         )
     _compile(engine)
     engine.start()
+    engine.compile_rest()
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
     specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
     hf_template = getattr(getattr(chat, "template", None), "source", None)
@@ -191,13 +192,19 @@ def _say(line: str) -> None:
 
 
 def _compile(engine: Engine) -> None:
-    """Every decode shape and prefill bucket now, not in the middle of someone's stream: a bar on a
-    terminal, a line per program in a log."""
-    total, t0 = engine.compilations(), time.perf_counter()
-    _say(f"serve: compiling {total} programs (decode shapes and prefill lengths; about a second each here)")
+    """The programs the first requests need now (`Engine.first_programs`), not in the middle of
+    someone's stream: a bar on a terminal, a line per program in a log. The rest compile on the
+    engine's compile thread once it serves (`Engine.compile_rest`)."""
+    shapes, buckets = engine.first_programs()
+    total, t0 = len(shapes) + len(buckets), time.perf_counter()
+    later = engine.compilations() - total
+    _say(
+        f"serve: compiling {total} programs now (decode shapes {shapes}, prefill lengths {buckets}); "
+        f"{later} more on a thread once serving"
+    )
     if sys.stderr.isatty():
         with progress(desc="serve: compiling", unit="program", total=total) as bar:
-            engine.compile(on_shape=bar.update)
+            engine.compile(on_shape=bar.update, first_only=True)
         return
     done = [0]
 
@@ -205,7 +212,7 @@ def _compile(engine: Engine) -> None:
         done[0] += 1
         _say(f"serve: compiled {done[0]}/{total} ({time.perf_counter() - t0:.0f} s)")
 
-    engine.compile(on_shape=line)
+    engine.compile(on_shape=line, first_only=True)
 
 
 def serve(
