@@ -254,7 +254,7 @@ def _in_corner(fn, rows: Rows, caches, n_rows: int, span: int, axes):
 
 
 def _verify_drafts(
-    weights, rows: Rows, caches, drafts, want_logprobs, *, forward, n_rows: int, span: int, axes
+    weights, rows: Rows, caches, drafts, want_logprobs, one, *, forward, n_rows: int, span: int, axes
 ):
     """One speculative call (inference/speculation.py) for the first `n_rows` rows over the first
     `span` cache slots: each row's last token and its drafts [max_batch, k] in one forward, then
@@ -265,7 +265,15 @@ def _verify_drafts(
     def run(rows, caches):
         drafted = drafts[:n_rows]
         tokens = jnp.concatenate([rows.last[:, None], jnp.maximum(drafted, 0)], axis=1)
-        logits, caches = forward(weights, tokens, caches, rows.pos, rows.start)
+        logits = jnp.zeros((*tokens.shape, weights.embed.shape[0]), jnp.float32)
+
+        def once(_, carry):
+            return forward(weights, tokens, carry[1], rows.pos, rows.start)
+
+        # `one` (traced, always 1) makes this a loop as the decode steps are: XLA on CPU then updates
+        # the cache in place; as a plain call (or a loop of a known single trip) it copied the whole
+        # cache every call (47 ms against 6 for the `small` bench model's cache of 16 x 1,024 slots)
+        logits, caches = jax.lax.fori_loop(0, one, once, (logits, caches))
         greedy, kept = speculation.verify(logits, drafted)
         hot = rows.temperature > 0
 
@@ -545,6 +553,8 @@ class Engine:
         """Draft tokens checked (counted for /metrics)."""
         self.accepted = 0
         """Draft tokens the model agreed with."""
+        self._kept_per_call = 1.0  # running mean of drafts kept per speculative call
+        self._pause = 0  # plain calls left before speculation is tried again
         self.tokens_per_call = tokens_per_call
         self.mask_words = -(-cfg.vocab_size // 32)
         """uint32 words of a token mask (`Request.constraint`)."""
@@ -1232,10 +1242,18 @@ class Engine:
         busy = [(b, r) for b, r in enumerate(self._slots) if r is not None]
         if not k or not busy or self._steps_needed() < 2:
             return None
+        if self._pause:  # the drafts were mostly wrong lately: plain calls for a while, then try again
+            self._pause -= 1
+            return None
         if any(r.constraint is not None for _, r in busy):
             return None
         n_rows, span = self.shape(k + 1)
         if max(self._pos[b] for b, _ in busy) + k + 1 > span:  # (near the end of the context)
+            return None
+        drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
+        for b, r in busy:
+            drafts[b] = speculation.lookup_draft(r.context, k)
+        if (drafts[:, 0] == speculation.NO_DRAFT).all():  # nothing to check: a plain call does as well
             return None
         example = [
             self.decode_weights,
@@ -1243,23 +1261,23 @@ class Engine:
             self._caches,
             np.zeros((self.max_batch, k), np.int32),
             np.bool_(False),
+            np.int32(1),
         ]
         program = self._program(("verify", n_rows, span), self._verify, example, n_rows=n_rows, span=span)
-        return None if program is None else (program, n_rows, span)
+        return None if program is None else (program, n_rows, span, drafts)
 
-    def _speculate(self, program, n_rows: int, span: int) -> None:
+    def _speculate(self, program, n_rows: int, span: int, drafts: np.ndarray) -> None:
         """One speculative call, delivered at once (the next call's drafts depend on its tokens)."""
-        k = self.speculate
-        drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
         owners = list(self._slots[:n_rows])
-        for b, r in enumerate(owners):
-            if r is not None:
-                drafts[b] = speculation.lookup_draft(r.context, k)
         want = any(r.sampling.logprobs for r in owners if r is not None)
         out, self._rows, self._caches = program(
-            self.decode_weights, self._rows, self._caches, jnp.asarray(drafts), np.bool_(want)
+            self.decode_weights, self._rows, self._caches, jnp.asarray(drafts), np.bool_(want), np.int32(1)
         )
         greedy, kept, chosen, best, ids = (np.asarray(x) for x in out)
+        guessed = [b for b, r in enumerate(owners) if r is not None and drafts[b, 0] != speculation.NO_DRAFT]
+        self._kept_per_call = 0.8 * self._kept_per_call + 0.2 * float(np.mean(kept[guessed] - 1))
+        if self._kept_per_call < speculation.PAUSE_BELOW:
+            self._pause, self._kept_per_call = speculation.PAUSE_CALLS, 1.0
         for b, request in enumerate(owners):
             self._pos[b] = min(self._pos[b] + int(kept[b]), span)
             if request is None or request.finished:

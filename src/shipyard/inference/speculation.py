@@ -1,8 +1,9 @@
 """Speculative decoding with prompt lookup: guess a greedy reply's next tokens from its own context,
 check them all in one forward, keep what the model agrees with.
 
-Drafting (`lookup_draft`, on the host): the longest of the reply's last 3, 2 or 1 tokens that
-occurred earlier in the prompt or reply, and the `k` tokens that followed its latest occurrence.
+Drafting (`lookup_draft`, on the host): the longest of the reply's last 3 or 2 tokens that
+occurred earlier in the prompt or reply, and the `k` tokens that followed its latest occurrence
+(one token alone matches too often to guess well).
 Code, structured data, quotes and summaries repeat their context, and there the guess is often
 right. No draft model: nothing to load, nothing to keep in step.
 
@@ -24,18 +25,30 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 NGRAM = 3
-"""The longest tail of the context looked up (then shorter ones, down to one token)."""
+"""The longest tail of the context looked up (then shorter ones, down to `MIN_NGRAM`)."""
+
+MIN_NGRAM = 2
+"""The shortest tail looked up."""
+
+PAUSE_BELOW = 0.5
+"""Draft tokens kept per speculative call (a running mean) under which speculation does not pay: a
+check of k+1 positions costs about one decode step, and plain calls run 8 steps a call beside the
+host's reading."""
+
+PAUSE_CALLS = 4
+"""Plain decode calls (of up to 8 steps) an engine makes before it tries speculating again, when
+the drafts kept fell under `PAUSE_BELOW`."""
 
 NO_DRAFT = -1
 """A draft slot with no guess: it matches no token (the row then gets the model's one token)."""
 
 
-def lookup_draft(context, k: int, ngram: int = NGRAM) -> np.ndarray:
+def lookup_draft(context, k: int, ngram: int = NGRAM, min_ngram: int = MIN_NGRAM) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the context's last `ngram`
-    (else fewer) tokens, padded with NO_DRAFT to `k`."""
+    (else fewer, down to `min_ngram`) tokens, padded with NO_DRAFT to `k`."""
     out = np.full(k, NO_DRAFT, np.int32)
     arr = np.asarray(context, np.int64)
-    for n in range(min(ngram, len(arr) - 1), 0, -1):
+    for n in range(min(ngram, len(arr) - 1), min_ngram - 1, -1):
         # windows starting at 0..len-1-n: each has a token after it, and none is the tail itself
         windows = sliding_window_view(arr[:-1], n)
         found = np.flatnonzero((windows == arr[-n:]).all(axis=1))
