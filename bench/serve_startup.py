@@ -5,8 +5,9 @@ The model has SmolLM2-135M's shapes (hidden 576, 30 layers, 9 heads, 3 KV heads,
 ids, 8,192 positions, tied embeddings) and random weights; the tokenizer is
 bench/serve_throughput.py's 8,192-token BPE (the request sends token ids, so the larger vocabulary
 only widens the head). Served with no flags but the port, as a new user starts it, so the KV cache
-covers the model's whole context and every decode shape and prefill bucket is compiled before the
-first request (the compile cache is turned off: a first start).
+covers the model's whole context, and the server compiles its first programs (`Engine.first_programs`)
+before it listens and the rest on a thread while it serves (the compile cache is turned off: a
+first start).
 
     .venv/bin/python bench/serve_startup.py [--max-len L] [--out bench/results/serve_startup.json]
 """
