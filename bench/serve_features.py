@@ -56,6 +56,17 @@ CLIENTS = 16
 MAX_TOKENS = 128
 
 
+def _run_clients(client) -> float:
+    """`client(i)` for each of the CLIENTS in a thread of its own; the seconds until all are done."""
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0
+
+
 def run_mode(url: str, seconds: float, first_id: int, replay: dict | None = None) -> dict:
     """16 clients for `seconds` of structured requests (recording each client's requests), or, with
     `replay` (a structured run's record), the same requests plain: same prompts and seeds, each
@@ -112,13 +123,7 @@ def run_mode(url: str, seconds: float, first_id: int, replay: dict | None = None
                     with lock:
                         counts["valid" if ok else "invalid"] += 1
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - t0
+    wall = _run_clients(client)
     out = {**counts, "seconds": round(wall, 2), "tokens_per_s": round(counts["tokens"] / wall, 1)}
     return out, record
 
@@ -221,13 +226,7 @@ def prefix_load(url: str, seconds: float, first_id: int, shared: bool) -> dict:
                     if first is not None:
                         ttfts.append(first - t0)
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - t0
+    wall = _run_clients(client)
     ttfts.sort()
     return {
         **counts, "seconds": round(wall, 2), "requests_per_s": round(counts["requests"] / wall, 3),
