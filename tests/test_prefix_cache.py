@@ -82,17 +82,17 @@ def test_the_least_recently_used_prompt_is_evicted():
     index = PrefixIndex(2, 64)
     a, b, c = (_head(40, s) for s in (1, 2, 3))
     for p in (a, b, c):
-        index.commit(p, index.plan(p), used=False)
+        index.commit(p, index.plan(p), saved=0)
     assert index.plan(a + [5]).length == 0  # evicted
     reuse = index.plan(c + [5])
     assert reuse.length == 40 and reuse.put == reuse.entry  # an extension replaces its row
-    index.commit(c + [5], reuse, used=True)
-    index.commit(a + [5], index.plan(a + [5]), used=False)  # evicts b (c was used after it)
+    index.commit(c + [5], reuse, saved=16)
+    index.commit(a + [5], index.plan(a + [5]), saved=0)  # evicts b (c was used after it)
     assert index.plan(b + [5]).length == 0 and index.plan(c + [6]).length == 40
     same = index.plan(c + [5])  # the same prompt again: all but its last token, and no new row
     assert same.length == 40 and same.put == index.entries
     long = _head(100, 7)  # longer than a row: its first 64 tokens are kept, and reused
-    index.commit(long, index.plan(long), used=False)
+    index.commit(long, index.plan(long), saved=0)
     assert index.plan(long[:80] + [1]).length == 64 and index.held_tokens() <= 3 * 64
 
 

@@ -712,19 +712,17 @@ class Engine:
         shapes, buckets = self.first_programs() if first_only else (self.shapes(), self._prefill_buckets())
         self._lazy = first_only
         for n_rows, span in shapes:
-            program = self._program(
-                ("decode", n_rows, span), self._decode, self._decode_example(), n_rows=n_rows, span=span
-            )
-            if not first_only:  # (the jitted function's own cache, which calls use without `_lazy`)
+            if first_only:
+                program = self._compiled(("decode", n_rows, span))
+            else:  # (the jitted function's own cache, which calls use without `_lazy`)
                 program = partial(self._decode, n_rows=n_rows, span=span)
             out, self._rows, self._caches = program(*self._decode_example())
             jax.block_until_ready(out)
             if on_shape is not None:
                 on_shape()
         for P in buckets:
-            args = self._admit_example(P)
-            program = self._program(("admit", P), self._admit, args) if first_only else self._admit
-            token, _, self._rows, self._caches, self._store = program(*args)
+            program = self._compiled(("admit", P)) if first_only else self._admit
+            token, _, self._rows, self._caches, self._store = program(*self._admit_example(P))
             jax.block_until_ready(token)
             if on_shape is not None:
                 on_shape()
@@ -747,11 +745,15 @@ class Engine:
         rest = [(r * s, ("decode", r, s)) for r, s in self.shapes() if (r, s) not in first_shapes]
         rest += [(P, ("admit", P)) for P in self._prefill_buckets() if P not in first_buckets]
         for _, key in sorted(rest):
-            if key[0] == "decode":
-                self._program(key, self._decode, self._decode_example(), n_rows=key[1], span=key[2])
-            else:
-                self._program(key, self._admit, self._admit_example(key[1]))
+            self._compiled(key)
         return len(rest)
+
+    def _compiled(self, key: tuple):
+        """`_program` for a decode shape ("decode", rows, slots) or a started engine's prefill bucket
+        ("admit", P)."""
+        if key[0] == "decode":
+            return self._program(key, self._decode, self._decode_example, n_rows=key[1], span=key[2])
+        return self._program(key, self._admit, lambda: self._admit_example(key[1]))
 
     def _decode_example(self) -> list:
         """Arguments of a decode call that runs `tokens_per_call` steps over the idle cache."""
@@ -940,8 +942,10 @@ class Engine:
         for r in self._slots:  # a cancelled row frees its slot now, whether or not a call is in flight
             if r is not None and r.cancelled and not r.finished:
                 self._finish(r, [], [], "cancelled")
+        # With a plain call in flight, drafts from the context without its tokens decide whether to
+        # give up the overlap; once delivered, the drafts are made again from the whole context.
         if self.speculate and self._in_flight is not None and self._speculation() is not None:
-            self._deliver(*self._in_flight)  # (its tokens are the next call's context)
+            self._deliver(*self._in_flight)
             self._in_flight = None
         speculating = self._speculation() if self._in_flight is None else None
         if speculating is not None:
@@ -991,7 +995,7 @@ class Engine:
         """(bucket, prefill program) for prompts of bucket P: P's own once compiled (queued on the
         compile thread if it is not), meanwhile the smallest compiled bucket that leaves room for
         every request's max_tokens, else P's jitted program (compiled now: this request waits)."""
-        self._program(("admit", P), self._admit, self._admit_example(P))
+        self._compiled(("admit", P))
         room = self.max_len - max(r.sampling.max_tokens for r in requests)
         for bucket in sorted(
             key[1] for key, program in list(self._aside.items()) if key[0] == "admit" and program
@@ -1003,9 +1007,7 @@ class Engine:
     def _compiled_decode(self, n_rows: int, span: int):
         """(the compiled decode program, its (rows, slots)): the shape asked for once it is compiled
         (queued on the compile thread if it is not), meanwhile the smallest compiled one covering it."""
-        self._program(
-            ("decode", n_rows, span), self._decode, self._decode_example(), n_rows=n_rows, span=span
-        )
+        self._compiled(("decode", n_rows, span))
         covering = sorted((r * s, r, s) for r, s in self.shapes() if r >= n_rows and s >= span)
         for _, r, s in covering:
             program = self._aside.get(("decode", r, s))
@@ -1168,11 +1170,7 @@ class Engine:
         else:
             token, logprobs, self._rows, self._caches, self._store = program(*args)
         if reuse is not None:
-            self.prefix.commit(list(prompts[0]), reuse, used=Q < P)
-            if Q < P:
-                self.prefix.hits += 1
-                self.prefix.hit_tokens += reuse.length
-                self.prefix.saved_tokens += P - Q
+            self.prefix.commit(list(prompts[0]), reuse, saved=P - Q)
         token = np.asarray(token).tolist()
         host = [np.asarray(x) for x in logprobs] if any(r.sampling.logprobs for r in requests) else None
         for i, (r, slot) in enumerate(zip(requests, free)):
@@ -1194,18 +1192,21 @@ class Engine:
     def _suffix_program(self, Q: int, P: int, plain: bool, args: list):
         """The compiled prefill of the last Q slots of a P-slot bucket over a remembered prefix, or None
         while it is not compiled (`_program`)."""
-        example = [*args[:3], args[3][:, P - Q :], *args[4:], (np.int32(0), np.int32(0))]
+
+        def example():
+            return [*args[:3], args[3][:, P - Q :], *args[4:], (np.int32(0), np.int32(0))]
+
         return self._program(("suffix", Q, P, plain), self._admit, example, bucket=P, plain=plain)
 
-    def _program(self, key: tuple, jitted, example: list, **static):
-        """`jitted` compiled for arguments shaped as `example` (and `static`), or None while it is not
-        compiled: for programs `compile` does not prepare (each use case's own shapes). An engine
+    def _program(self, key: tuple, jitted, example: Callable[[], list], **static):
+        """`jitted` compiled for arguments shaped as `example()` (and `static`), or None while it is not
+        compiled (`example` is called only for a program not met before, off the hot path): for programs `compile` does not prepare (each use case's own shapes). An engine
         that serves (started) compiles them on a thread of its own and runs what it has meanwhile,
         so no request waits for a compilation; an unstarted one (`generate`) compiles now, as it
         does every program it meets."""
         if key in self._aside:
             return self._aside[key]
-        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example)
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example())
 
         def build():
             return jitted.lower(*specs, **static).compile()
@@ -1255,14 +1256,11 @@ class Engine:
             drafts[b] = speculation.lookup_draft(r.context, k)
         if (drafts[:, 0] == speculation.NO_DRAFT).all():  # nothing to check: a plain call does as well
             return None
-        example = [
-            self.decode_weights,
-            self._rows,
-            self._caches,
-            np.zeros((self.max_batch, k), np.int32),
-            np.bool_(False),
-            np.int32(1),
-        ]
+
+        def example():
+            zeros = np.zeros((self.max_batch, k), np.int32)
+            return [self.decode_weights, self._rows, self._caches, zeros, np.bool_(False), np.int32(1)]
+
         program = self._program(("verify", n_rows, span), self._verify, example, n_rows=n_rows, span=span)
         return None if program is None else (program, n_rows, span, drafts)
 

@@ -124,12 +124,16 @@ class PrefixIndex:
             put = free[0] if free else int(np.argmin(self._used))
         return Reuse(best if length > 0 else -1, length if best >= 0 else 0, put)
 
-    def commit(self, prompt: list[int], reuse: Reuse, used: bool) -> None:
-        """An admission planned with `reuse` ran (`used`: it took the prefix; else it prefilled all)."""
+    def commit(self, prompt: list[int], reuse: Reuse, saved: int) -> None:
+        """An admission planned with `reuse` ran, `saved` prefill positions shorter than the whole
+        bucket (0: it prefilled all, the prefix unused); counted here."""
         self._clock += 1
         self.lookups += 1
-        if reuse.entry >= 0 and used:
+        if reuse.entry >= 0 and saved:
             self._used[reuse.entry] = self._clock
+            self.hits += 1
+            self.hit_tokens += reuse.length
+            self.saved_tokens += saved
         if reuse.put < self.entries:
             self._held[reuse.put] = np.asarray(prompt[: self.slots])
             self._used[reuse.put] = self._clock
