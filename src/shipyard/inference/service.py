@@ -35,9 +35,9 @@ CACHE_MAX_BYTES = 4 << 30
 """The compile cache's size bound (JAX evicts the least recently used programs past it)."""
 
 PREFIX_CACHE = 2
-"""Prompts `serve` keeps the K/V of by default (`--prefix-cache`). Each takes a KV cache row
-(`max_len` slots); two hold a shared system prompt and the last conversation extended, for a
-quarter of the default 8 rows' memory."""
+"""Prompts `serve` keeps the K/V of by default (`--prefix-cache`). Each takes a KV cache row of up
+to 2,048 slots (`prefix_cache.SLOTS`); two hold a shared system prompt and the last conversation
+extended, for at most a quarter of the default 8 rows' memory."""
 
 
 def enable_compile_cache(directory: str | None) -> str | None:
