@@ -32,7 +32,16 @@ off so every request prefills alike). Reported per round: tokens/s of each and t
 trained on code: what it continues is its own, and the drafts are kept only where its greedy
 reply repeats its context.
 
-    .venv/bin/python bench/serve_features.py [--feature structured|prefix|speculation|all] [--seconds 60] [--repeat 3]
+A draft model (`--feature draft`): the same client and prompts against a server with
+`--draft-model` and one without. No trained pair of models reaches this machine, so the bench builds
+one whose agreement it controls: the target is the bench model with DRAFT_TARGET_LAYERS layers, the
+draft is its first DRAFT_LAYERS layers with the same embedding and head, and the target's later
+layers have their output projections (attention `wo`, MLP `w_down`) scaled by `--draft-eps`, so
+with 0 the target computes exactly the draft's function and every guess is right, and larger values
+make the two disagree more. The share of guesses kept is reported beside the speed-up: read the
+speed-up at that agreement, not as a real draft model's.
+
+    .venv/bin/python bench/serve_features.py [--feature structured|prefix|speculation|draft|all] [--seconds 60] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -47,6 +57,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import json_schemas  # noqa: E402
@@ -194,6 +205,70 @@ def measure_speculation(run_dir: Path, tmp: Path, seconds: float, repeat: int) -
     }  # fmt: skip
 
 
+DRAFT_TARGET_LAYERS = 12
+"""Layers of the target model of `--feature draft` (the bench shape's width)."""
+
+DRAFT_LAYERS = 2
+"""Layers of its draft model (its first ones; the embedding and head are shared)."""
+
+
+def write_draft_pair(tokenizer: Path, target: Path, draft: Path, first_id: int, eps: float) -> None:
+    """A target run and a draft run (`--feature draft`) with the bench `tokenizer`: the draft is the
+    target's first DRAFT_LAYERS layers; the target's later layers add `eps` x what they would (their
+    output projections scaled)."""
+    import dataclasses
+
+    import jax
+
+    def damp(params):
+        blocks = params.blocks
+        scale = np.where(np.arange(DRAFT_TARGET_LAYERS) < DRAFT_LAYERS, 1.0, eps).astype(np.float32)
+        wo = np.asarray(blocks.wo) * scale.reshape(-1, *[1] * (blocks.wo.ndim - 1))
+        down = np.asarray(blocks.w_down) * scale.reshape(-1, *[1] * (blocks.w_down.ndim - 1))
+        return dataclasses.replace(params, blocks=dataclasses.replace(blocks, wo=wo, w_down=down))
+
+    for d in (target, draft):
+        d.mkdir()
+        shutil.copytree(tokenizer, d / "tokenizer")
+    shape = {**bench.SHAPE, "num_layers": DRAFT_TARGET_LAYERS}
+    kept = bench.write_run(target, first_id, shape, edit=damp)
+    first = dataclasses.replace(
+        kept, blocks=jax.tree.map(lambda a: np.asarray(a)[:DRAFT_LAYERS], kept.blocks)
+    )
+    bench.write_run(draft, first_id, {**bench.SHAPE, "num_layers": DRAFT_LAYERS}, edit=lambda _: first)
+
+
+def measure_draft(tmp: Path, first_id: int, seconds: float, repeat: int, eps: float) -> dict:
+    target, draft = tmp / "draft-target", tmp / "draft-model"
+    write_draft_pair(tmp / "run" / "tokenizer", target, draft, first_id, eps)
+    rounds = []
+    for k in range(repeat):
+        modes = {}
+        for mode, extra in (("off", ()), ("on", ("--draft-model", str(draft)))):
+            flags = ("--max-len", str(PREFIX_MAX_LEN), "--prefix-cache", "0", *extra)
+            proc, url = bench.start_server(target, tmp / f"draft-{k}-{mode}.log", 8, None, False, flags)
+            try:
+                speculation_load(url, 20)  # warm-up: the check and the draft's programs compile on first use
+                modes[mode] = speculation_load(url, seconds)
+                counts = _scrape(url)
+            finally:
+                bench.stop_server(proc)
+            drafted = counts.get("shipyard_spec_decode_num_draft_tokens_total", 0)
+            accepted = counts.get("shipyard_spec_decode_num_accepted_tokens_total", 0)
+            modes[mode]["accepted_of_drafted"] = round(accepted / drafted, 3) if drafted else None
+        ratio = modes["on"]["tokens_per_s"] / modes["off"]["tokens_per_s"]
+        rounds.append({**modes, "speedup": round(ratio, 3)})
+        print(json.dumps(rounds[-1]), flush=True)
+    values = sorted(r["speedup"] for r in rounds)
+    return {
+        "speedup": {"median": values[len(values) // 2], "range": [values[0], values[-1]]},
+        "rounds": rounds,
+        "config": {"seconds": seconds, "repeat": repeat, "clients": 1, "speculate": 4, "max_tokens": 128,
+                   "target_layers": DRAFT_TARGET_LAYERS, "draft_layers": DRAFT_LAYERS, "eps": eps,
+                   "shape": bench.SHAPE, "prompts": [f"{m}.py (first ~600 characters)" for m in CODE_MODULES]},
+    }  # fmt: skip
+
+
 def prefix_load(url: str, seconds: float, first_id: int, shared: bool) -> dict:
     """16 streaming clients for `seconds`: a 512-token system prompt (the same one for all when
     `shared`, else fresh random tokens per request) and a 10..40-token question each, 16 tokens
@@ -293,7 +368,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long each mode runs")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (plain then structured in each)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve_features.json"))
-    ap.add_argument("--feature", choices=("structured", "prefix", "speculation", "all"), default="all")
+    ap.add_argument(
+        "--feature", choices=("structured", "prefix", "speculation", "draft", "all"), default="all"
+    )
+    ap.add_argument(
+        "--draft-eps", type=float, default=0.0, help="--feature draft: the target's later layers' scale"
+    )
     args = ap.parse_args()
     # the file holds each feature's last measurement: one run of one feature keeps the others'
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -306,6 +386,10 @@ def main() -> None:
             result["prefix_cache"] = measure_prefix(run_dir, Path(tmp), first_id, args.seconds, args.repeat)
         if args.feature in ("speculation", "all"):
             result["speculation"] = measure_speculation(run_dir, Path(tmp), args.seconds, args.repeat)
+        if args.feature in ("draft", "all"):
+            result["draft_model"] = measure_draft(
+                Path(tmp), first_id, args.seconds, args.repeat, args.draft_eps
+            )
         if args.feature in ("structured", "all"):
             result.update(measure_structured(run_dir, Path(tmp), first_id, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -115,10 +115,11 @@ def write_tokenizer(out: Path, scratch: Path) -> int:
     return len(cfg.special_tokens)
 
 
-def write_run(run_dir: Path, n_special: int, shape: dict | None = None) -> None:
+def write_run(run_dir: Path, n_special: int, shape: dict | None = None, edit=None):
     """A shipyard run directory (config.yaml + checkpoint 1) holding random weights whose special
     tokens can never be the argmax (their head columns are zero, see the module docstring); of
-    `shape` (default SHAPE: the same vocabulary, the tokenizer is the one trained for it)."""
+    `shape` (default SHAPE: the same vocabulary, the tokenizer is the one trained for it). `edit`:
+    params -> the params saved instead. Returns the params saved."""
     import jax
 
     from shipyard.config import load_config, to_yaml
@@ -142,11 +143,13 @@ def write_run(run_dir: Path, n_special: int, shape: dict | None = None) -> None:
     head = np.array(params.lm_head)
     head[:, :n_special] = 0.0
     params = dataclasses.replace(params, lm_head=head)
+    params = edit(params) if edit is not None else params
     state = init_state(cfg, jax.tree.map(jax.numpy.asarray, params), build_optimizer(cfg.train, specs))
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     ckpt = Checkpointer(run_dir, cfg.train.checkpoint, cfg.train.steps)
     ckpt.save(1, state, wait=True)
     ckpt.close()
+    return params
 
 
 # -- shipyard serve and its clients ---------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 from typing import Literal
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from data_fixtures import MC_ROWS
@@ -926,6 +927,56 @@ def test_serve_int8_with_a_bfloat16_cache_answers_like_generate_int8(run_dir, tm
     assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
 
 
+def test_a_draft_model_over_http_gives_the_replies_of_the_server_without_one(
+    server, client, run_dir, tmp_path
+):
+    """serve --draft-model (the served model drafting for itself, so the drafts are nearly all kept):
+    greedy completions, streamed and not, over the openai client are the module's server's (no
+    speculation) with log-probs within 1e-5, and /metrics counts the drafts it kept."""
+    want = [
+        client.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0, logprobs=1)
+        for p in PROMPTS[:3]
+    ]
+    flags = (
+        "--max-batch",
+        "4",
+        "--model-name",
+        "tiny-chat",
+        "--draft-model",
+        str(run_dir),
+        "--speculate",
+        "3",
+    )
+    s = ServerProcess(run_dir, *flags, api_key=KEY, log=tmp_path / "log")
+    try:
+        fast = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        for _ in range(60):  # the check and the draft's programs compile on the engine's thread first
+            fast.completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+            if _scrape(s)[("shipyard_spec_decode_num_accepted_tokens_total",)] > 0:
+                break
+            time.sleep(0.5)
+        got = [
+            fast.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0, logprobs=1)
+            for p in PROMPTS[:3]
+        ]
+        streamed = fast.completions.create(
+            model="tiny-chat", prompt=PROMPTS[1], max_tokens=24, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].text for c in streamed)
+        metrics = _scrape(s)
+    finally:
+        assert s.stop() == 0, s.log_text()
+    assert [g.choices[0].text for g in got] == [w.choices[0].text for w in want]
+    assert streamed == want[1].choices[0].text
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(
+            g.choices[0].logprobs.token_logprobs, w.choices[0].logprobs.token_logprobs, rtol=0, atol=1e-5
+        )
+    drafted = metrics[("shipyard_spec_decode_num_draft_tokens_total",)]
+    assert drafted > 0 and metrics[("shipyard_spec_decode_num_accepted_tokens_total",)] >= 0.8 * drafted
+    assert "draft model" in s.log_text()
+
+
 def _mc_task(d) -> str:
     mc = d / "mc.jsonl"
     mc.write_text("".join(json.dumps(r) + "\n" for r in MC_ROWS))
@@ -992,10 +1043,33 @@ def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir
         (["--port", "70000"], "is not a TCP port"),
         (["--prefix-cache", "-1"], "--prefix-cache is a number of prompts (0: off), got -1"),
         (["--speculate", "-2"], "--speculate is a number of draft tokens (0: off), got -2"),
+        (["--draft-model", "{run}", "--speculate", "0"], "the draft model would never be asked"),
         (["--prefix-cache", "2", "--fixed-shape"], "use --prefix-cache 0 or leave --fixed-shape out"),
     ],
 )
 def test_bad_serve_flags_are_one_line(run_dir, capsys, flags, words):
+    flags = [f.replace("{run}", str(run_dir)) for f in flags]
     assert main(["serve", str(run_dir), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(run_dir, tmp_path, capsys):
+    """Served with a tokenizer whose ids differ from the draft model's (two tokens trade ids): one
+    line naming the difference, exit 2, before any weights load."""
+    import shutil
+
+    shutil.copytree(run_dir.parent / "tok", tmp_path / "tok")
+    path = tmp_path / "tok" / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(spec))
+    flags = ["--tokenizer", str(tmp_path / "tok"), "--draft-model", str(run_dir)]
+    assert main(["serve", str(run_dir), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer is not the served model's" in err and "\n" not in err, err
+    assert main(["serve", str(run_dir), "--draft-model", str(tmp_path / "none")]) == 4  # (a missing path)
+    err = capsys.readouterr().err.strip()
+    assert "serve --draft-model" in err and "does not exist" in err and "\n" not in err, err

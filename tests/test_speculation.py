@@ -1,5 +1,6 @@
-"""Speculative decoding with prompt lookup (inference/speculation.py): the drafts, the check, and an
-engine that speculates giving the text an engine that does not gives."""
+"""Speculative decoding (inference/speculation.py, inference/draft_model.py): prompt lookup's drafts,
+the check, a draft model's drafts, and an engine that speculates giving the text an engine that does
+not gives."""
 
 from __future__ import annotations
 
@@ -118,6 +119,68 @@ def test_a_serving_engine_compiles_its_check_aside_and_gets_the_same_text(params
         engine.stop()
     assert tuple(alone[0][0]) == want[0] and engine.accepted > before
     assert [tuple(t) for t, _ in together] == want
+
+
+def _draft_prompts():
+    """Three of `_prompts` and one longer than a draft model's catch-up call (`draft_model.FILL`)."""
+    long = np.random.default_rng(8).integers(3, CFG.vocab_size, size=100).tolist()
+    return [*_prompts()[:2], long, _prompts()[3]]
+
+
+@pytest.mark.parametrize("drafter", ["itself", "another model"])
+def test_a_draft_model_leaves_greedy_text_as_it_is(params, drafter):
+    """Drafts from a draft model (inference/draft_model.py), each prompt alone and four at once: the
+    same tokens as without speculation, log-probs within 1e-5. The served model drafting for itself
+    guesses every token right exactly when the draft's own cache holds the right keys and values at
+    the right slots (a prompt fed in several catch-up calls, call shapes changing, rows at their own
+    offsets), so nearly every draft is kept; another random model's drafts are mostly rejected
+    (speculation pauses, plain calls run between checks, the draft cache catches up after them)."""
+    s = Sampling(max_tokens=30, logprobs=True)
+    plain = Engine(params, CFG, max_batch=4, max_len=MAX_LEN)
+    want = [plain.generate([p], s)[0] for p in _draft_prompts()]
+    draft = params if drafter == "itself" else noisy_params(CFG, key=4, seed=7, scale=0.2)
+    fast = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=4, draft=(draft, CFG))
+    alone = [fast.generate([p], s)[0] for p in _draft_prompts()]
+    together = fast.generate(_draft_prompts(), s)
+    for got in (alone, together):
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for c, w in zip(got, want):
+            np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
+    if drafter == "itself":
+        assert fast.drafted > 100 and fast.accepted >= 0.95 * fast.drafted
+    else:
+        assert fast.drafted > 0 and fast.accepted < 0.5 * fast.drafted
+
+
+def test_a_serving_engine_with_a_draft_model_compiles_it_aside(params):
+    """A started engine with a draft model decodes plainly while the draft's programs and the check
+    compile on its thread, then speculates: greedy replies equal the plain engine's, and a seeded
+    sampled reply beside them runs to its length."""
+    greedy = Sampling(max_tokens=30)
+    plain = Engine(params, CFG, max_batch=4, max_len=MAX_LEN)
+    want = [plain.generate([p], greedy)[0].tokens for p in _draft_prompts()]
+    engine = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=3, draft=(params, CFG)).start()
+    try:
+        first = run_requests(engine, _draft_prompts()[:1], [greedy])
+        assert tuple(first[0][0]) == want[0]
+        for _ in range(4):  # each call shape met compiles its check, then the draft's programs
+            before = engine.accepted
+            warm = run_requests(engine, _draft_prompts(), [greedy] * 4)
+            assert [tuple(t) for t, _ in warm] == want
+            if engine.accepted > before:
+                break
+            for _ in range(600):  # (on the engine's thread: seconds)
+                if engine.programs_ready():
+                    break
+                threading.Event().wait(0.1)
+        before = engine.accepted
+        hot = Sampling(max_tokens=30, temperature=0.8, seed=4)
+        together = run_requests(engine, _draft_prompts() + _draft_prompts()[:1], [greedy] * 4 + [hot])
+    finally:
+        engine.stop()
+    assert [tuple(t) for t, _ in together[:4]] == want
+    assert engine.accepted > before
+    assert len(together[4][0]) == 30 and together[4][1] == "length"
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.9)])

@@ -51,6 +51,7 @@ def _cmd_serve(args) -> int:
         tool_parser=args.tool_parser,
         prefix_cache=args.prefix_cache,
         speculate=args.speculate,
+        draft_model=args.draft_model,
     )
     if cache:
         print(
@@ -138,10 +139,18 @@ def register(sub) -> None:
     sv.add_argument(
         "--speculate",
         type=int,
-        default=0,
+        default=None,
         metavar="K",
-        help="greedy replies guess K tokens a call from their own context (prompt lookup) and keep what "
-        "the model agrees with: the same text, faster where replies repeat their context (default 0: off)",
+        help="replies guess K tokens a call (from their own context, or --draft-model's) and keep what "
+        "the model agrees with: the same text, sampled replies the same distribution, faster where the "
+        "guesses are good (default: 4 with --draft-model, else 0: off)",
+    )
+    sv.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="a smaller model directory with the same tokenizer that makes the guesses (default: prompt "
+        "lookup, the tokens that followed the reply's last few tokens earlier in its context)",
     )
     sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
     sv.add_argument(

@@ -52,8 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.config import ModelConfig
-from shipyard.inference import cpu_decode, speculation
+from shipyard.inference import speculation
 from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.decode_path import decode_path, in_corner
+from shipyard.inference.draft_model import Drafter
 from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
 from shipyard.inference.prefix_cache import PrefixIndex, init_store, keep, recall
 from shipyard.inference.sampling import Sampling, pick_tokens
@@ -234,23 +236,7 @@ def _decode_steps(
             plain=plain,
         )
 
-    return _in_corner(run, rows, caches, n_rows, span, axes)
-
-
-def _in_corner(fn, rows: Rows, caches, n_rows: int, span: int, axes):
-    """fn(rows, caches) -> (out, rows, caches) run on the first `n_rows` rows and `span` cache slots
-    only (a copy of that corner, written back in place afterwards): (out, all rows, all caches)."""
-    full_rows, full_caches = rows, caches
-    rows = jax.tree.map(lambda x: x[:n_rows], rows)
-    caches = _map_cache(lambda name, a: _corner(a, *axes[name], n_rows, span), caches)
-    out, rows, caches = fn(rows, caches)
-    rows = jax.tree.map(lambda full, part: full.at[:n_rows].set(part), full_rows, rows)
-    caches = _map_cache(
-        lambda name, full, part: jax.lax.dynamic_update_slice(full, part, [0] * full.ndim),
-        full_caches,
-        caches,
-    )
-    return out, rows, caches
+    return in_corner(run, rows, caches, n_rows, span, axes)
 
 
 def _verify_drafts(
@@ -298,20 +284,7 @@ def _verify_drafts(
         rows = rows._replace(last=last, pos=jnp.minimum(rows.pos + kept, span), key=key)
         return (tokens, kept, *logprobs), rows, caches
 
-    return _in_corner(run, rows, caches, n_rows, span, axes)
-
-
-def _corner(a, row_axis: int, slot_axis: int, n_rows: int, span: int):
-    a = jax.lax.slice_in_dim(a, 0, n_rows, axis=row_axis)
-    return jax.lax.slice_in_dim(a, 0, span, axis=slot_axis)
-
-
-def _map_cache(fn, caches, *others):
-    """fn(field name "k" / "v", array, *matching arrays of `others`) over a KVCache or per-layer caches."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(caches)
-    rest = [jax.tree.leaves(o) for o in others]
-    out = [fn(path[-1].name, a, *(r[i] for r in rest)) for i, (path, a) in enumerate(paths)]
-    return jax.tree.unflatten(treedef, out)
+    return in_corner(run, rows, caches, n_rows, span, axes)
 
 
 def _steps(
@@ -456,6 +429,7 @@ class Engine:
         fingerprint: str | None = None,
         prefix_cache: int = 0,
         speculate: int = 0,
+        draft=None,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -466,6 +440,8 @@ class Engine:
             raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
         if speculate < 0:
             raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
+        if draft is not None and not speculate:
+            raise ValueError("a draft model drafts `speculate` tokens a call: give speculate >= 1 with it")
         if prefix_cache and fixed_shape:
             # a prefill over a cached prefix computes fewer rows, so its rounding differs (within 1e-5)
             # from the whole prefill's: a reply would depend on what was asked before it
@@ -487,15 +463,13 @@ class Engine:
             )
         self.params = jax.tree.map(jnp.asarray, params)
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
-        if cpu_decode.supported(self.params, cfg):  # (dense models on CPU)
-            # the weights the decode step reads: fused and unrolled once (`cpu_decode.prepare_weights`)
-            self._decode_weights_of = jax.jit(partial(cpu_decode.prepare_weights, cfg=cfg))
-            forward, to_decode = partial(cpu_decode.decode_step, cfg=cfg), cpu_decode.to_layer_caches
-            axes = {"k": (0, 3), "v": (0, 2)}  # per-layer head-major caches: k [b, k, d, s], v [b, k, s, d]
-        else:
-            self._decode_weights_of = lambda params: params
-            forward, to_decode = partial(forward_cached, cfg=cfg), lambda cache: cache
-            axes = {"k": (1, 2), "v": (1, 2)}  # KVCache [layers, batch, slots, kv_heads, head_dim]
+        path = decode_path(self.params, cfg)
+        self._decode_weights_of, forward, to_decode, axes = (
+            path.prepare,
+            path.forward,
+            path.to_decode,
+            path.axes,
+        )
         self.decode_weights = self._decode_weights_of(self.params)
         self.fingerprint = fingerprint
         """The content hash of the weights serving now (given by the caller: `hot_swap.fingerprint`)."""
@@ -505,7 +479,7 @@ class Engine:
         batch_axis = axes["k"][0]
         self.kv_dtype = kv_dtype
         """The KV cache's dtype (default: the embedding's, fp32 for int8 weights)."""
-        self.uses_cpu_decode = cpu_decode.supported(self.params, cfg)
+        self.uses_cpu_decode = path.cpu
         """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
         self.prefix = PrefixIndex(prefix_cache, min(max_len, PREFIX_SLOTS)) if prefix_cache else None
@@ -548,7 +522,21 @@ class Engine:
             compiler_options=decode_compiler_options(self.params),
         )
         self.speculate = speculate
-        """Draft tokens a greedy reply checks per call (inference/speculation.py; 0: off)."""
+        """Draft tokens a reply checks per call (inference/speculation.py; 0: off)."""
+        self.draft = None
+        """The draft model (`draft_model.Drafter`) that makes the drafts; None: prompt lookup."""
+        if draft is not None:
+            draft_params, draft_cfg = draft
+            self.draft = Drafter(
+                draft_params,
+                draft_cfg,
+                max_batch=max_batch,
+                max_len=max_len,
+                k=speculate,
+                vocab=cfg.vocab_size,
+                program=self._program,
+                compiler_options=decode_compiler_options(draft_params),
+            )
         self.drafted = 0
         """Draft tokens checked (counted for /metrics)."""
         self.accepted = 0
@@ -943,8 +931,9 @@ class Engine:
             if r is not None and r.cancelled and not r.finished:
                 self._finish(r, [], [], "cancelled")
         # With a plain call in flight, drafts from the context without its tokens decide whether to
-        # give up the overlap; once delivered, the drafts are made again from the whole context.
-        if self.speculate and self._in_flight is not None and self._speculation() is not None:
+        # give up the overlap (a draft model's: whether a check may run at all); once delivered, the
+        # drafts are made again from the whole context.
+        if self.speculate and self._in_flight is not None and self._speculation(draft=False) is not None:
             self._deliver(*self._in_flight)
             self._in_flight = None
         speculating = self._speculation() if self._in_flight is None else None
@@ -1235,10 +1224,11 @@ class Engine:
 
     # -- speculative decoding (inference/speculation.py) --
 
-    def _speculation(self):
-        """(compiled verify program, rows, span) when the next call may speculate: no busy row is
-        structured, a reply needs more than one more token, and the k+1 slots fit; else None (a
-        plain decode call)."""
+    def _speculation(self, draft: bool = True):
+        """(compiled verify program, rows, span, drafts) when the next call may speculate: no busy row
+        is structured, a reply needs more than one more token, the k+1 slots fit, and some row has a
+        draft; else None (a plain decode call). Without `draft`, a draft model is not run: True when
+        it could be (the row contexts may lag a call in flight)."""
         k = self.speculate
         busy = [(b, r) for b, r in enumerate(self._slots) if r is not None]
         if not k or not busy or self._steps_needed() < 2:
@@ -1251,18 +1241,31 @@ class Engine:
         n_rows, span = self.shape(k + 1)
         if max(self._pos[b] for b, _ in busy) + k + 1 > span:  # (near the end of the context)
             return None
-        drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
-        for b, r in busy:
-            drafts[b] = speculation.lookup_draft(r.context, k)
-        if (drafts[:, 0] == speculation.NO_DRAFT).all():  # nothing to check: a plain call does as well
-            return None
+        if self.draft is not None and not draft:
+            return True
 
         def example():
             zeros = np.zeros((self.max_batch, k), np.int32)
             return [self.decode_weights, self._rows, self._caches, zeros, np.bool_(False), np.int32(1)]
 
         program = self._program(("verify", n_rows, span), self._verify, example, n_rows=n_rows, span=span)
-        return None if program is None else (program, n_rows, span, drafts)
+        if program is None:
+            return None
+        if self.draft is not None:
+            rows = [(b, r, r.context, self._pos[b]) for b, r in busy]
+            drafts = self.draft.drafts(rows, self._rows.start, n_rows, span)
+            if drafts is None:  # (its programs compile)
+                return None
+            mine = np.zeros(self.max_batch, bool)
+            mine[[b for b, _ in busy]] = True
+            drafts = np.where(mine[:, None], drafts, speculation.NO_DRAFT).astype(np.int32)
+        else:
+            drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
+            for b, r in busy:
+                drafts[b] = speculation.lookup_draft(r.context, k)
+        if (drafts[:, 0] == speculation.NO_DRAFT).all():  # nothing to check: a plain call does as well
+            return None
+        return program, n_rows, span, drafts
 
     def _speculate(self, program, n_rows: int, span: int, drafts: np.ndarray) -> None:
         """One speculative call, delivered at once (the next call's drafts depend on its tokens)."""
@@ -1278,6 +1281,8 @@ class Engine:
             self._pause, self._kept_per_call = speculation.PAUSE_CALLS, 1.0
         for b, request in enumerate(owners):
             self._pos[b] = min(self._pos[b] + int(kept[b]), span)
+            if self.draft is not None and request is not None:
+                self.draft.advance(b, int(kept[b]))
             if request is None or request.finished:
                 continue
             if request.cancelled:

@@ -67,6 +67,11 @@ def enable_compile_cache(directory: str | None) -> str | None:
     return directory
 
 
+DRAFT_TOKENS = 4
+"""Draft tokens a call with a draft model and no --speculate K (a check of 5 positions costs about one
+decode step on CPU, and a good draft model's 4th guess is still often right)."""
+
+
 def load_service(
     model,
     *,
@@ -82,13 +87,16 @@ def load_service(
     fixed_shape: bool = False,
     tool_parser: str = "auto",
     prefix_cache: int | None = None,
-    speculate: int = 0,
+    speculate: int | None = None,
+    draft_model: str | Path | None = None,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
     (`hot_swap.Swapper`) of the same kind. `tool_parser`: the tool-call format replies are read in
     (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls.
     `prefix_cache`: prompts whose K/V are kept for reuse (None: `PREFIX_CACHE`, 0 with `fixed_shape`).
-    `speculate`: draft tokens a greedy reply checks per decode call (prompt lookup; 0: off)."""
+    `speculate`: draft tokens a reply checks per decode call (None: `DRAFT_TOKENS` with a draft model,
+    else 0: off); `draft_model`: a model directory with the same vocabulary whose guesses they are
+    (default: prompt lookup)."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
     from shipyard.model.quantize import maybe_quantize
     from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
@@ -113,9 +121,14 @@ def load_service(
         )
     if prefix_cache is None:
         prefix_cache = 0 if fixed_shape else PREFIX_CACHE
-    if speculate < 0:
+    if speculate is not None and speculate < 0:
         raise ConfigError(f"serve: --speculate is a number of draft tokens (0: off), got {speculate}")
+    if draft_model is not None and speculate == 0:
+        raise ConfigError("serve: --draft-model with --speculate 0: the draft model would never be asked")
+    if speculate is None:
+        speculate = DRAFT_TOKENS if draft_model is not None else 0
     tok = load_tokenizer(tok_dir)
+    draft = _draft_model(draft_model, tok) if draft_model is not None else None
     ids = special_token_ids(tok_dir, tok)
     chat, missing = None, ""
     try:
@@ -142,6 +155,7 @@ def load_service(
         fingerprint=weights,
         prefix_cache=prefix_cache,
         speculate=speculate,
+        draft=draft,
     )
     why = (
         f"--max-len {max_len}" if max_len is not None else "the model's whole context: --max-len L takes less"
@@ -154,6 +168,12 @@ def load_service(
         _say(
             f"serve: prefix cache {prefix_cache} prompts x {engine.prefix.slots} slots = "
             f"{engine.prefix_cache_bytes() / 2**20:.1f} MiB (--prefix-cache N; 0: off)"
+        )
+    if engine.draft is not None:
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft[0]))
+        _say(
+            f"serve: draft model {draft_model} ({n / 1e6:.1f}M parameters) guesses {speculate} tokens a call; "
+            f"its KV cache {engine.draft.cache_bytes() / 2**20:.1f} MiB"
         )
     _compile(engine)
     engine.start()
@@ -184,6 +204,26 @@ def load_service(
             tokenizer_sha256=tokenizer_digest(tok_dir),
         ),
     )
+
+
+def _draft_model(path, tok) -> tuple:
+    """(params, ModelConfig) of the draft model directory `path`, refused in one line unless its
+    tokenizer gives every token the served one's id (a draft is token ids: with other ids, no draft
+    would ever be kept)."""
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.run.model_dir import open_model_dir
+
+    what = "serve --draft-model"
+    model_dir = open_model_dir(path, what)
+    theirs, mine = load_tokenizer(model_dir.require_tokenizer(what)).get_vocab(), tok.get_vocab()
+    if theirs != mine:
+        token = next(iter(sorted(set(theirs.items()) ^ set(mine.items()), key=lambda x: x[1])), ("", 0))[0]
+        raise ConfigError(
+            f"{what}: {path}'s tokenizer is not the served model's ({len(theirs)} vs {len(mine)} tokens; "
+            f"they differ at {token!r}); a draft model must share the served model's vocabulary"
+        )
+    cfg, _, params = model_dir.load(None, what=what)
+    return params, cfg.model
 
 
 def _say(line: str) -> None:

@@ -1,20 +1,21 @@
-"""Speculative decoding with prompt lookup: guess a greedy reply's next tokens from its own context,
-check them all in one forward, keep what the model agrees with.
+"""Speculative decoding: guess a reply's next tokens, check them all in one forward, keep what the
+model agrees with. The guesses come from prompt lookup (here) or a draft model
+(inference/draft_model.py); the check and the keep rules are the same for both.
 
 Drafting (`lookup_draft`, on the host): the longest of the reply's last 3 or 2 tokens that
 occurred earlier in the prompt or reply, and the `k` tokens that followed its latest occurrence
 (one token alone matches too often to guess well).
 Code, structured data, quotes and summaries repeat their context, and there the guess is often
-right. No draft model: nothing to load, nothing to keep in step.
+right, with nothing to load or keep in step.
 
 Verifying (`verify`, on the device): one forward over [last token, d1..dk] at the row's next k+1
 slots gives the model's greedy choice after each; the drafts are kept up to the first one that
 differs from the model's choice, and the model's choice there is kept too, so every call yields
 1..k+1 tokens, each the token greedy decoding picks at its place. The K/V written for the drafts
 past that point sit at slots beyond the row's position, where no query looks and the next call
-writes over them. Only greedy rows speculate (`Engine`); what is lossless for them is the text,
-while the log-probs come from a forward over k+1 positions instead of one, so they round
-differently (within 1e-5; tests/test_speculation.py).
+writes over them. What is lossless for greedy rows is the text, while the log-probs come from a
+forward over k+1 positions instead of one, so they round differently (within 1e-5;
+tests/test_speculation.py). Sampled rows keep drafts by the rejection rule (`accept_sampled`).
 """
 
 from __future__ import annotations
