@@ -25,6 +25,9 @@ are compared with shipyard fp32's (this random model's distributions are
 flat enough that int8 rounding flips some argmaxes: the agreement is
 reported, not asserted; tests/test_quantize.py checks accuracy on a trained
 model). Targets: fp32 >= 2x transformers, int8 >= 3x transformers' fp32.
+The int8-g128 row is the same with `--quantize int8-g128`'s group-wise
+scales (one per 128 consecutive inputs of a channel), timed and compared
+the same way (no target: it is reported next to int8's).
 
 The targets are for the median of 3 runs of this script on an idle machine,
 reported with their spread: run it 3 times (each writes its own --out) and
@@ -145,7 +148,8 @@ def transformers_generator(hf_dir: Path):
 def _worker(name: str, path: Path, rounds: int) -> None:
     extra = {}
     if name.startswith("shipyard"):
-        run, extra["tokens_per_call"] = shipyard_generator(path, "int8" if name == "shipyard-int8" else None)
+        mode = name.removeprefix("shipyard-") if name != "shipyard" else None
+        run, extra["tokens_per_call"] = shipyard_generator(path, mode)
     else:
         run, extra["threads"] = transformers_generator(path)
     t = time.perf_counter()
@@ -188,7 +192,11 @@ def main() -> None:
     cpu_tuning.apply_xla_flags()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed generate calls per side")
-    ap.add_argument("--worker", choices=("shipyard", "shipyard-int8", "transformers"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker",
+        choices=("shipyard", "shipyard-int8", "shipyard-int8-g128", "transformers"),
+        help=argparse.SUPPRESS,
+    )
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path("bench/results/generate_throughput.json"))
     args = ap.parse_args()
@@ -205,6 +213,7 @@ def main() -> None:
             raise SystemExit("bench: export hf failed")
         sy = _spawn("shipyard", run_dir, args)
         q8 = _spawn("shipyard-int8", run_dir, args)
+        g128 = _spawn("shipyard-int8-g128", run_dir, args)
         tf = _spawn("transformers", hf_dir, args)
 
     import torch
@@ -216,6 +225,8 @@ def main() -> None:
     q8_tok_s = generated / statistics.median(q8["call_s"])
     leading = [_leading_agreement(a, b) for a, b in zip(sy["tokens"], tf["tokens"])]
     q8_leading = [_leading_agreement(a, b) for a, b in zip(q8["tokens"], sy["tokens"])]
+    g128_tok_s = generated / statistics.median(g128["call_s"])
+    g128_leading = [_leading_agreement(a, b) for a, b in zip(g128["tokens"], sy["tokens"])]
     result = {
         "benchmark": "generate_throughput",
         "model": {**SHAPE, "tie_embeddings": False, "dtype": "float32"},
@@ -235,6 +246,11 @@ def main() -> None:
         "shipyard_int8_first_call_s": q8["first_call_s"],
         "shipyard_int8_call_s": q8["call_s"],
         "int8_leading_tokens_agreeing_with_fp32_per_row": q8_leading,
+        "shipyard_int8_g128_tokens_per_s": g128_tok_s,
+        "ratio_shipyard_int8_g128_over_shipyard_int8": g128_tok_s / q8_tok_s,
+        "ratio_shipyard_int8_g128_over_shipyard": g128_tok_s / sy_tok_s,
+        "shipyard_int8_g128_call_s": g128["call_s"],
+        "int8_g128_leading_tokens_agreeing_with_fp32_per_row": g128_leading,
         "shipyard_first_call_s": sy["first_call_s"],
         "transformers_first_call_s": tf["first_call_s"],
         "shipyard_call_s": sy["call_s"],

@@ -61,13 +61,27 @@ def load_config_arg(source: str, overrides, what: str):
     return build_config(apply_overrides(base, list(overrides)))
 
 
+def quantize_mode(text: str) -> str:
+    """An argparse `type`: one of `model.quantize.QUANTIZE_MODES`. Looked up only when the flag is given:
+    building the parser must not import the model code (an exported artifact runs without it)."""
+    from shipyard.model.quantize import QUANTIZE_MODES
+
+    if text not in QUANTIZE_MODES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(QUANTIZE_MODES)}, got {text!r}")
+    return text
+
+
 def add_quantize_flags(p, kv_cache: bool = True) -> None:
-    """--quantize (int8 weights, `model.quant`) and, for commands that decode, --kv-dtype."""
+    """--quantize (int8 weights, `model.quant`; the modes are `model.quantize.QUANTIZE_MODES`) and, for
+    commands that decode, --kv-dtype."""
     p.add_argument(
         "--quantize",
-        choices=["int8"],
+        type=quantize_mode,
+        metavar="MODE",
         default=None,
-        help="int8: int8 weights with per-output-channel scales (attention, MLP, output head; default: as stored)",
+        help="int8 weights for attention, MLP and output head (default: as stored): int8 with one scale per "
+        "output channel; int8-g128 with one per 128 consecutive inputs of a channel (group-wise: an outlier "
+        "input row costs its own group's precision only)",
     )
     if kv_cache:
         p.add_argument(
