@@ -65,6 +65,60 @@ def trained_run(d: Path, steps: int = 120) -> Path:
     return d / "run"
 
 
+def tool_tuned_run(
+    d: Path, base: Path, tok_dir: Path, template: str, tools: list, call: dict, asks: list[str]
+) -> Path:
+    """`base` (a `trained_run`) fine-tuned to answer each of `asks`, with `tools` offered, by the tool
+    call `call` in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), and prose
+    questions with the tools offered by prose: a model that calls a tool of its own accord (`tool_choice`
+    auto), its conversations rendered by `template` (a chat template over `tok_dir`'s tokens)."""
+    import jinja2
+
+    from shipyard.run.model_dir import open_model_dir
+
+    cfg, _, params = open_model_dir(base, "test").load(None, what="test")
+    tok = load_tokenizer(tok_dir)
+    render = jinja2.Environment().from_string(template).render
+    reply = "<tool_call>" + json.dumps(call) + "</tool_call><|end|>"
+
+    def prompt(content: str, offered: list) -> str:
+        return render(
+            messages=[{"role": "user", "content": content}], tools=offered, add_generation_prompt=True
+        )
+
+    examples = []
+    for offered in (tools, tools[:1]):  # all the tools, or the called one alone
+        examples += [tok.encode(prompt(ask, offered) + reply).ids for ask in asks]
+        for s in range(6):  # prose stays prose with the tools offered
+            question, answer = " ".join(prose(100 + s).split()[:4]), prose(200 + s)[:60]
+            examples.append(tok.encode(prompt(question, offered) + answer + "<|end|>").ids)
+    width = max(map(len, examples))
+    pad = np.zeros((len(examples), width), np.int32)
+    mask = np.zeros((len(examples), width - 1), np.float32)
+    for i, e in enumerate(examples):
+        pad[i, : len(e)] = e
+        mask[i, : len(e) - 1] = 1.0
+    params = jax.tree.map(jnp.asarray, params)
+    opt = optax.adam(3e-3)
+
+    def loss(p, x, m):
+        out = logits(p, x[:, :-1], cfg.model)
+        return (optax.softmax_cross_entropy_with_integer_labels(out, x[:, 1:]) * m).sum() / m.sum()
+
+    @jax.jit
+    def step(p, s, x, m):
+        value, g = jax.value_and_grad(loss)(p, x, m)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    state, x, m = opt.init(params), jnp.asarray(pad), jnp.asarray(mask)
+    for _ in range(150):
+        params, state, value = step(params, state, x, m)
+    assert float(value) < 0.1, f"the tool-call model did not learn its replies (loss {float(value):.3f})"
+    save_run(d / "tool-run", cfg, jax.tree.map(np.asarray, params))
+    return d / "tool-run"
+
+
 def swap_runs(d: Path) -> dict[str, Path]:
     """Run directories for the hot-swap tests, untrained (noisy random weights, clear-cut greedy
     choices) with one BPE tokenizer: "served" and "other" (the same model, other weights),

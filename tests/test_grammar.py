@@ -66,6 +66,33 @@ def test_a_reply_may_end_only_where_the_grammar_does_and_only_with_its_own_stop_
     assert c.complete() and _allowed(c.mask()) == {end}  # whole: this reply's stop id alone (not eos 1)
 
 
+def test_a_reply_writes_the_properties_in_the_schemas_order(tokenizer_json):
+    """Properties listed "name" then "age" are held to that order, not sorted: the reply in the
+    schema's order is allowed token by token, the other order is cut off (a tool call's format,
+    {"name", "arguments"}, depends on it)."""
+    tok = Tokenizer.from_str(tokenizer_json)
+    g = grammars_for(tokenizer_json, 512, end_ids=[1])
+    props = {"name": {"type": "string"}, "age": {"type": "integer"}}
+    schema = {
+        "type": "object",
+        "properties": props,
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    grammar = g.compile({"type": "json_schema", "json_schema": {"schema": schema}})
+
+    def allowed(text: str) -> bool:
+        c = g.constraint(grammar, stop_ids=[1])
+        for t in tok.encode(text).ids:
+            if t not in _allowed(c.mask()):
+                return False
+            c.advance(t)
+        return c.complete()
+
+    assert allowed('{"name": "Ada", "age": 36}')
+    assert not allowed('{"age": 36, "name": "Ada"}')
+
+
 @pytest.mark.parametrize(
     "fmt, words",
     [

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 from data_fixtures import MC_ROWS
-from serve_fixtures import ServerProcess, running_server, slow_run, sse_events, trained_run
+from serve_fixtures import ServerProcess, running_server, slow_run, sse_events, tool_tuned_run, trained_run
 
 from shipyard.cli.main import main
 
@@ -507,18 +507,23 @@ WEATHER_TOOL = {
         },
     },
 }
+WEATHER_CALL = {"name": "weather", "arguments": {"city": "Kabel", "unit": "celsius"}}
+WEATHER_ASKS = ["Weather in Kabel?", "What is the weather in Kabel?"]
 TIME_TOOL = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tool_server(run_dir, tmp_path_factory):
-    """The same model and flags as `server` (its programs come from the compile cache), with a
-    tokenizer directory whose HF chat template renders tools in the Hermes family's format."""
+    """`server`'s model fine-tuned to call `weather` when asked about it (`tool_tuned_run`; the same
+    shapes and flags as `server`: its programs come from the compile cache), with a tokenizer
+    directory whose HF chat template renders tools in the Hermes family's format."""
     import shutil
 
     d = tmp_path_factory.mktemp("tools")
     shutil.copytree(run_dir.parent / "tok", d / "tok")
     (d / "tok" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    model = tool_tuned_run(d, run_dir, d / "tok", HERMES_TEMPLATE, tools, WEATHER_CALL, WEATHER_ASKS)
     flags = (
         "--max-batch",
         "8",
@@ -529,7 +534,7 @@ def tool_server(run_dir, tmp_path_factory):
         "--template",
         "hf",
     )
-    with running_server(run_dir, d / "server.log", *flags, api_key=KEY) as s:
+    with running_server(model, d / "server.log", *flags, api_key=KEY) as s:
         yield s
 
 
@@ -580,7 +585,7 @@ def test_required_returns_one_or_more_calls_of_the_offered_tools(tool_client):
     jsonschema = pytest.importorskip("jsonschema")
     tools = {"weather": WEATHER_TOOL, "time": TIME_TOOL}
     r = tool_client.chat.completions.create(
-        model="tiny-chat", messages=[{"role": "user", "content": "Zugat"}], tools=list(tools.values()),
+        model="tiny-chat", messages=[{"role": "user", "content": WEATHER_ASKS[1]}], tools=list(tools.values()),
         tool_choice="required", max_tokens=120, temperature=1.0, seed=1, n=2,
     )  # fmt: skip
     for choice in r.choices:
@@ -591,7 +596,9 @@ def test_required_returns_one_or_more_calls_of_the_offered_tools(tool_client):
             jsonschema.validate(
                 json.loads(call.function.arguments), tools[call.function.name]["function"]["parameters"]
             )
-    assert any(c.finish_reason == "tool_calls" for c in r.choices)
+    assert any(c.finish_reason == "tool_calls" for c in r.choices), [
+        (c.finish_reason, c.message.content) for c in r.choices
+    ]
 
 
 def test_auto_shows_the_tools_to_the_model_and_a_prose_reply_stays_text(tool_client, tool_server):
@@ -617,6 +624,35 @@ def test_auto_shows_the_tools_to_the_model_and_a_prose_reply_stays_text(tool_cli
         model="tiny-chat", messages=turn, tools=[WEATHER_TOOL], max_tokens=8, temperature=0
     )
     assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_auto_returns_the_call_the_model_makes_of_its_own_accord(tool_client):
+    """auto, with a model that calls `weather` when asked about it: the reply is parsed into one call
+    (finish "tool_calls", no content) whose arguments are what the model wrote and fit the schema;
+    the streamed deltas reassemble to exactly that call; cut by max_tokens inside the call, the
+    reply comes back as its text with finish_reason invalid_tool_call (not a 500)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    kw = dict(
+        model="tiny-chat",
+        messages=[{"role": "user", "content": WEATHER_ASKS[0]}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+    )
+    r = tool_client.chat.completions.create(temperature=0, max_tokens=80, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert (
+        call.function.name == "weather" and json.loads(call.function.arguments) == WEATHER_CALL["arguments"]
+    )
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed, finish = _streamed_calls(
+        tool_client.chat.completions.create(temperature=0, max_tokens=80, stream=True, **kw)
+    )
+    assert finish == "tool_calls" and len(streamed) == 1
+    assert (streamed[0]["name"], streamed[0]["arguments"]) == (call.function.name, call.function.arguments)
+    cut = tool_client.chat.completions.create(temperature=0, max_tokens=8, **kw).choices[0]
+    assert cut.finish_reason == "invalid_tool_call" and cut.message.tool_calls is None
+    assert cut.message.content.startswith("<tool_call>")
 
 
 TOOL_HOSTILE = [

@@ -543,6 +543,7 @@ class Engine:
         """Draft tokens the model agreed with."""
         self._kept_per_call = 1.0  # running mean of drafts kept per speculative call
         self._pause = 0  # plain calls left before speculation is tried again
+        self._next_pause = speculation.PAUSE_CALLS  # the length of the next pause
         self.tokens_per_call = tokens_per_call
         self.mask_words = -(-cfg.vocab_size // 32)
         """uint32 words of a token mask (`Request.constraint`)."""
@@ -1276,9 +1277,16 @@ class Engine:
         )
         greedy, kept, chosen, best, ids = (np.asarray(x) for x in out)
         guessed = [b for b, r in enumerate(owners) if r is not None and drafts[b, 0] != speculation.NO_DRAFT]
-        self._kept_per_call = 0.8 * self._kept_per_call + 0.2 * float(np.mean(kept[guessed] - 1))
+        now = float(np.mean(kept[guessed] - 1))
+        self._kept_per_call = 0.8 * self._kept_per_call + 0.2 * now
         if self._kept_per_call < speculation.PAUSE_BELOW:
-            self._pause, self._kept_per_call = speculation.PAUSE_CALLS, 1.0
+            # Pause; the first call after it decides alone (the mean starts at the threshold), and
+            # each pause that follows a poor retry is twice as long: drafts that keep failing (a
+            # draft model that does not fit the text) then cost a check every 64 plain calls at most.
+            self._pause, self._kept_per_call = self._next_pause, speculation.PAUSE_BELOW
+            self._next_pause = min(2 * self._next_pause, speculation.MAX_PAUSE_CALLS)
+        elif now >= speculation.PAUSE_BELOW:
+            self._next_pause = speculation.PAUSE_CALLS
         for b, request in enumerate(owners):
             self._pos[b] = min(self._pos[b] + int(kept[b]), span)
             if self.draft is not None and request is not None:

@@ -54,7 +54,9 @@ class Grammars:
 
     def compile(self, response_format: dict) -> str | None:
         """The grammar for an OpenAI `response_format` (None: plain text), or GrammarError."""
-        return _compiled(self, json.dumps(response_format, sort_keys=True))
+        # (keys in the client's order: a schema's property order is the order a reply writes them in,
+        # and a tool call's format puts "name" before "arguments"; sorted keys reordered them)
+        return _compiled(self, json.dumps(response_format))
 
     def constraint(self, grammar: str, stop_ids) -> Constraint:
         """A matcher for one reply that may end with any of `stop_ids` once the grammar is complete."""

@@ -38,7 +38,11 @@ host's reading."""
 
 PAUSE_CALLS = 4
 """Plain decode calls (of up to 8 steps) an engine makes before it tries speculating again, when
-the drafts kept fell under `PAUSE_BELOW`."""
+the drafts kept fell under `PAUSE_BELOW` (doubled after each retry that keeps too few, up to
+`MAX_PAUSE_CALLS`; back to this once a call keeps enough)."""
+
+MAX_PAUSE_CALLS = 64
+"""The longest pause: drafts that never fit cost one check per this many plain calls."""
 
 NO_DRAFT = -1
 """A draft slot with no guess: it matches no token (the row then gets the model's one token)."""
