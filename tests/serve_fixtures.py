@@ -71,27 +71,24 @@ def tool_tuned_run(
     """`base` (a `trained_run`) fine-tuned to answer each of `asks`, with `tools` offered, by the tool
     call `call` in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), and prose
     questions with the tools offered by prose: a model that calls a tool of its own accord (`tool_choice`
-    auto), its conversations rendered by `template` (a chat template over `tok_dir`'s tokens)."""
-    import jinja2
-
-    from shipyard.run.model_dir import open_model_dir
+    auto), its conversations rendered by `template` (written into `tok_dir` as its chat template)."""
+    from shipyard.run.model_dir import chat_format_of, open_model_dir
 
     cfg, _, params = open_model_dir(base, "test").load(None, what="test")
-    tok = load_tokenizer(tok_dir)
-    render = jinja2.Environment().from_string(template).render
-    reply = "<tool_call>" + json.dumps(call) + "</tool_call><|end|>"
+    (tok_dir / "chat_template.jinja").write_text(template)
+    fmt = chat_format_of(tok_dir, "hf")  # the server's own rendering and tokenization of a conversation
+    reply = "<tool_call>" + json.dumps(call) + "</tool_call>"
 
-    def prompt(content: str, offered: list) -> str:
-        return render(
-            messages=[{"role": "user", "content": content}], tools=offered, add_generation_prompt=True
-        )
+    def example(content: str, offered: list, answer: str) -> list[int]:
+        prompt = fmt.prompt([{"role": "user", "content": content}], tools=offered)
+        return prompt + fmt.tok.encode(answer, add_special_tokens=False).ids + [fmt.end_id]
 
     examples = []
     for offered in (tools, tools[:1]):  # all the tools, or the called one alone
-        examples += [tok.encode(prompt(ask, offered) + reply).ids for ask in asks]
+        examples += [example(ask, offered, reply) for ask in asks]
         for s in range(6):  # prose stays prose with the tools offered
             question, answer = " ".join(prose(100 + s).split()[:4]), prose(200 + s)[:60]
-            examples.append(tok.encode(prompt(question, offered) + answer + "<|end|>").ids)
+            examples.append(example(question, offered, answer))
     width = max(map(len, examples))
     pad = np.zeros((len(examples), width), np.int32)
     mask = np.zeros((len(examples), width - 1), np.float32)

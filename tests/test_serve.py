@@ -637,7 +637,7 @@ def test_auto_returns_the_call_the_model_makes_of_its_own_accord(tool_client):
         messages=[{"role": "user", "content": WEATHER_ASKS[0]}],
         tools=[WEATHER_TOOL, TIME_TOOL],
     )
-    r = tool_client.chat.completions.create(temperature=0, max_tokens=80, **kw)
+    r = tool_client.chat.completions.create(temperature=0, max_tokens=160, **kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
     (call,) = choice.message.tool_calls
@@ -646,11 +646,11 @@ def test_auto_returns_the_call_the_model_makes_of_its_own_accord(tool_client):
     )
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
     streamed, finish = _streamed_calls(
-        tool_client.chat.completions.create(temperature=0, max_tokens=80, stream=True, **kw)
+        tool_client.chat.completions.create(temperature=0, max_tokens=160, stream=True, **kw)
     )
     assert finish == "tool_calls" and len(streamed) == 1
     assert (streamed[0]["name"], streamed[0]["arguments"]) == (call.function.name, call.function.arguments)
-    cut = tool_client.chat.completions.create(temperature=0, max_tokens=8, **kw).choices[0]
+    cut = tool_client.chat.completions.create(temperature=0, max_tokens=40, **kw).choices[0]
     assert cut.finish_reason == "invalid_tool_call" and cut.message.tool_calls is None
     assert cut.message.content.startswith("<tool_call>")
 
