@@ -1,5 +1,6 @@
 """`shipyard serve` at its defaults for a 135M-class model: seconds from the command to the first
-answered request, and resident memory, against the KV-cache size the start-up log states.
+answered request, and resident memory (then, once the other programs have compiled on the server's
+compile thread, and the peak), against the KV-cache size the start-up log states.
 
 The model has SmolLM2-135M's shapes (hidden 576, 30 layers, 9 heads, 3 KV heads, MLP 1536, 49,152
 ids, 8,192 positions, tied embeddings) and random weights; the tokenizer is
@@ -58,11 +59,31 @@ def write_run(run_dir: Path) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """`field` of /proc/PID/status in MB (MiB): VmRSS now, VmHWM the peak so far."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_settled(pid: int, t0: float, quiet_s: float = 10.0, limit_s: float = 1800) -> float | None:
+    """Seconds from t0 until the idle server stops using the CPU (under 0.1 CPU-s in `quiet_s`): its
+    compile thread (`Engine.compile_rest`) has compiled the other programs. None past `limit_s`."""
+    last = cpu_s(pid)
+    while time.monotonic() - t0 < limit_s:
+        time.sleep(quiet_s)
+        now = cpu_s(pid)
+        if now - last < 0.1:
+            return time.monotonic() - t0 - quiet_s
+        last = now
+    return None
 
 
 def main() -> None:
@@ -98,6 +119,8 @@ def main() -> None:
                 except httpx.HTTPError:
                     time.sleep(1.0)
             ready_rss = rss_mb(proc.pid)
+            settled = wait_settled(proc.pid, t0) if first is not None else None
+            settled_rss, hwm = rss_mb(proc.pid), rss_mb(proc.pid, "VmHWM")
         finally:
             bench.stop_server(proc)
         text = log.read_text()
@@ -109,6 +132,9 @@ def main() -> None:
         "first_answer_status": status if first is not None else None,
         "rss_after_first_mb": round(ready_rss, 1),
         "rss_peak_sampled_mb": round(peak, 1),
+        "programs_compiled_s": round(settled, 1) if settled is not None else None,
+        "rss_programs_compiled_mb": round(settled_rss, 1),
+        "rss_peak_mb": round(hwm, 1),
         "kv_cache_stated_mib": float(kv[1]) if kv else None,
         "weights_fp32_mib": round(n_params * 4 / 2**20, 1),
         "log_tail": text.splitlines()[-12:],

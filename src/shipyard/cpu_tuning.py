@@ -117,6 +117,27 @@ def reexec_with_fast_allocator() -> None:
         return  # keep running as we are: only slower
 
 
+def release_free_memory() -> int:
+    """Hand the memory the allocator holds but no longer uses back to the OS, once (after a server's
+    start-up: checkpoint-restore buffers, the host copy of the weights, compile scratch). jemalloc as
+    configured above never returns freed pages on its own (that is what makes training steps fast),
+    so without this a server keeps its start-up peak for good. Returns 1 when something was asked
+    of the allocator, 0 where there is nothing to do (not Linux, an unknown allocator)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if allocator_name() == "jemalloc":
+        # "arena.<MALLCTL_ARENAS_ALL>.purge": every arena's unused dirty pages back to the OS
+        mallctl = getattr(libc, "mallctl", None)
+        if mallctl is None:
+            return 0
+        return int(mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0)) == 0)
+    trim = getattr(libc, "malloc_trim", None)  # glibc
+    return int(trim(ctypes.c_size_t(0))) if trim is not None else 0
+
+
 def environment() -> dict[str, object]:
     """What a benchmark result depends on besides the code: JAX version, XLA flags, allocator, CPU."""
     import platform

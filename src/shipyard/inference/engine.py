@@ -355,7 +355,6 @@ def _admit(
     hit=None,
     *,
     cfg,
-    max_len,
     kv_dtype,
     to_decode,
     batch_axis,
@@ -380,7 +379,12 @@ def _admit(
     """
     temperature, top_k, top_p, key = settings
     P = tokens.shape[1] if bucket is None else bucket
-    cache = init_cache(cfg, tokens.shape[0], max_len, kv_dtype)
+    # The prompt's cache is its bucket long, not max_len: its attention covers only the P keys the
+    # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192, and
+    # their buffers stayed in the allocator), and only slots [0, P) of the request's row are written:
+    # the row's later slots may hold an older request's K/V, which no query reads before its own
+    # decode step writes that slot.
+    cache = init_cache(cfg, tokens.shape[0], P, kv_dtype)
     if hit is not None:
         cache = recall(store, cache, hit[0], hit[1], start[0])
     at = jnp.int32(P - tokens.shape[1])
@@ -397,7 +401,9 @@ def _admit(
     def write(j, caches):  # one cache row per real request: no copy of a prompt's row per sample
         def put(all_rows, new):
             row = jax.lax.dynamic_slice_in_dim(new, src[j], 1, axis=batch_axis).astype(all_rows.dtype)
-            return jax.lax.dynamic_update_slice_in_dim(all_rows, row, slots[j], axis=batch_axis)
+            at = [jnp.int32(0)] * all_rows.ndim
+            at[batch_axis] = slots[j]
+            return jax.lax.dynamic_update_slice(all_rows, row, at)  # (slots [0, P) of the row)
 
         return jax.tree.map(put, caches, prefilled)
 
@@ -501,7 +507,6 @@ class Engine:
             partial(
                 _admit,
                 cfg=cfg,
-                max_len=max_len,
                 kv_dtype=kv_dtype,
                 to_decode=to_decode,
                 batch_axis=batch_axis,

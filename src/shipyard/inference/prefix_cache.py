@@ -9,7 +9,7 @@ runs the model over only the last Q slots (a power-of-two bucket covering the ne
 positions of the chunk that the cache already held are recomputed from the same tokens, so the
 cache row the request decodes from has its usual layout (`Engine._start`), and the first token's
 logits come from the same model over the same keys. The prefill the cache skips runs the same
-attention over the same `max_len` keys with fewer query rows; tests/test_prefix_cache.py checks
+attention over the same keys (its bucket's) with fewer query rows; tests/test_prefix_cache.py checks
 that replies and log-probs equal those with the cache off.
 
 The store is `entries` rows of up to `SLOTS` slots on the device (the prefill's [layers, rows,

@@ -176,6 +176,10 @@ def load_service(
             f"its KV cache {engine.draft.cache_bytes() / 2**20:.1f} MiB"
         )
     _compile(engine)
+    if jax.default_backend() == "cpu":  # (the allocator's business on CPU; device memory is XLA's own)
+        from shipyard.cpu_tuning import release_free_memory
+
+        release_free_memory()  # what loading and compiling freed, which the allocator would keep
     engine.start()
     engine.compile_rest()
     eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
