@@ -177,29 +177,39 @@ def speculation_load(url: str, seconds: float) -> dict:
     }
 
 
-def measure_speculation(run_dir: Path, tmp: Path, seconds: float, repeat: int) -> dict:
+def speculation_rounds(run_dir: Path, tmp: Path, name: str, modes: dict, seconds: float, repeat: int) -> dict:
+    """`repeat` rounds of `speculation_load` against a server of `run_dir` per mode ({"off": flags,
+    "on": flags}; `--max-len 1024`, prefix cache off), each warmed up first (the check and a draft's
+    programs compile on first use): tokens/s, the share of drafts kept, on/off per round, median."""
     rounds = []
     for k in range(repeat):
-        modes = {}
-        for mode, flag in (("off", "0"), ("on", "4")):
-            extra = ("--max-len", str(PREFIX_MAX_LEN), "--prefix-cache", "0", "--speculate", flag)
-            proc, url = bench.start_server(run_dir, tmp / f"spec-{k}-{mode}.log", 8, None, False, extra)
+        got = {}
+        for mode, extra in modes.items():
+            flags = ("--max-len", str(PREFIX_MAX_LEN), "--prefix-cache", "0", *extra)
+            proc, url = bench.start_server(run_dir, tmp / f"{name}-{k}-{mode}.log", 8, None, False, flags)
             try:
-                speculation_load(url, 15)  # warm-up: the check compiles on first use
-                modes[mode] = speculation_load(url, seconds)
+                speculation_load(url, 20)  # warm-up
+                got[mode] = speculation_load(url, seconds)
                 counts = _scrape(url)
             finally:
                 bench.stop_server(proc)
             drafted = counts.get("shipyard_spec_decode_num_draft_tokens_total", 0)
             accepted = counts.get("shipyard_spec_decode_num_accepted_tokens_total", 0)
-            modes[mode]["accepted_of_drafted"] = round(accepted / drafted, 3) if drafted else None
-        ratio = modes["on"]["tokens_per_s"] / modes["off"]["tokens_per_s"]
-        rounds.append({**modes, "speedup": round(ratio, 3)})
+            got[mode]["accepted_of_drafted"] = round(accepted / drafted, 3) if drafted else None
+        ratio = got["on"]["tokens_per_s"] / got["off"]["tokens_per_s"]
+        rounds.append({**got, "speedup": round(ratio, 3)})
         print(json.dumps(rounds[-1]), flush=True)
     values = sorted(r["speedup"] for r in rounds)
     return {
         "speedup": {"median": values[len(values) // 2], "range": [values[0], values[-1]]},
         "rounds": rounds,
+    }
+
+
+def measure_speculation(run_dir: Path, tmp: Path, seconds: float, repeat: int) -> dict:
+    modes = {"off": ("--speculate", "0"), "on": ("--speculate", "4")}
+    return {
+        **speculation_rounds(run_dir, tmp, "spec", modes, seconds, repeat),
         "config": {"seconds": seconds, "repeat": repeat, "clients": 1, "speculate": 4, "max_tokens": 128,
                    "prompts": [f"{m}.py (first ~600 characters)" for m in CODE_MODULES]},
     }  # fmt: skip
@@ -241,28 +251,9 @@ def write_draft_pair(tokenizer: Path, target: Path, draft: Path, first_id: int, 
 def measure_draft(tmp: Path, first_id: int, seconds: float, repeat: int, eps: float) -> dict:
     target, draft = tmp / "draft-target", tmp / "draft-model"
     write_draft_pair(tmp / "run" / "tokenizer", target, draft, first_id, eps)
-    rounds = []
-    for k in range(repeat):
-        modes = {}
-        for mode, extra in (("off", ()), ("on", ("--draft-model", str(draft)))):
-            flags = ("--max-len", str(PREFIX_MAX_LEN), "--prefix-cache", "0", *extra)
-            proc, url = bench.start_server(target, tmp / f"draft-{k}-{mode}.log", 8, None, False, flags)
-            try:
-                speculation_load(url, 20)  # warm-up: the check and the draft's programs compile on first use
-                modes[mode] = speculation_load(url, seconds)
-                counts = _scrape(url)
-            finally:
-                bench.stop_server(proc)
-            drafted = counts.get("shipyard_spec_decode_num_draft_tokens_total", 0)
-            accepted = counts.get("shipyard_spec_decode_num_accepted_tokens_total", 0)
-            modes[mode]["accepted_of_drafted"] = round(accepted / drafted, 3) if drafted else None
-        ratio = modes["on"]["tokens_per_s"] / modes["off"]["tokens_per_s"]
-        rounds.append({**modes, "speedup": round(ratio, 3)})
-        print(json.dumps(rounds[-1]), flush=True)
-    values = sorted(r["speedup"] for r in rounds)
+    modes = {"off": (), "on": ("--draft-model", str(draft))}
     return {
-        "speedup": {"median": values[len(values) // 2], "range": [values[0], values[-1]]},
-        "rounds": rounds,
+        **speculation_rounds(target, tmp, "draft", modes, seconds, repeat),
         "config": {"seconds": seconds, "repeat": repeat, "clients": 1, "speculate": 4, "max_tokens": 128,
                    "target_layers": DRAFT_TARGET_LAYERS, "draft_layers": DRAFT_LAYERS, "eps": eps,
                    "shape": bench.SHAPE, "prompts": [f"{m}.py (first ~600 characters)" for m in CODE_MODULES]},

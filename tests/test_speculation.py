@@ -79,6 +79,17 @@ def _oracle(monkeypatch, prompts, replies):
     monkeypatch.setattr(speculation, "lookup_draft", draft)
 
 
+def _assert_same_replies(fast: Engine, prompts, s: Sampling, want) -> None:
+    """`fast`'s replies to each prompt alone and to all at once are `want`'s tokens, log-probs within
+    1e-5 (a forward over k+1 positions sums in another order than one over 1)."""
+    alone = [fast.generate([p], s)[0] for p in prompts]
+    together = fast.generate(prompts, s)
+    for got in (alone, together):
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for c, w in zip(got, want):
+            np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
+
+
 def test_greedy_text_is_the_same_with_speculation_on_and_off(params, monkeypatch):
     """Each prompt alone and all four together, in an engine that speculates 4 tokens a call and one
     that does not: the same tokens, log-probs within 1e-5 (a forward over 5 positions sums in another
@@ -88,12 +99,7 @@ def test_greedy_text_is_the_same_with_speculation_on_and_off(params, monkeypatch
     want = [plain.generate([p], s)[0] for p in _prompts()]
     _oracle(monkeypatch, _prompts(), [w.tokens for w in want])
     fast = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=4)
-    alone = [fast.generate([p], s)[0] for p in _prompts()]
-    together = fast.generate(_prompts(), s)
-    for got in (alone, together):
-        assert [c.tokens for c in got] == [c.tokens for c in want]
-        for c, w in zip(got, want):
-            np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
+    _assert_same_replies(fast, _prompts(), s, want)
     assert fast.accepted > 100 and fast.drafted > fast.accepted
 
 
@@ -140,12 +146,7 @@ def test_a_draft_model_leaves_greedy_text_as_it_is(params, drafter):
     want = [plain.generate([p], s)[0] for p in _draft_prompts()]
     draft = params if drafter == "itself" else noisy_params(CFG, key=4, seed=7, scale=0.2)
     fast = Engine(params, CFG, max_batch=4, max_len=MAX_LEN, speculate=4, draft=(draft, CFG))
-    alone = [fast.generate([p], s)[0] for p in _draft_prompts()]
-    together = fast.generate(_draft_prompts(), s)
-    for got in (alone, together):
-        assert [c.tokens for c in got] == [c.tokens for c in want]
-        for c, w in zip(got, want):
-            np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
+    _assert_same_replies(fast, _draft_prompts(), s, want)
     if drafter == "itself":
         assert fast.drafted > 100 and fast.accepted >= 0.95 * fast.drafted
     else:
