@@ -1080,6 +1080,7 @@ def test_lm_eval_local_completions_equals_the_in_process_adapter(server, run_dir
         (["--prefix-cache", "-1"], "--prefix-cache is a number of prompts (0: off), got -1"),
         (["--speculate", "-2"], "--speculate is a number of draft tokens (0: off), got -2"),
         (["--draft-model", "{run}", "--speculate", "0"], "the draft model would never be asked"),
+        (["--speculate", "2", "--fixed-shape"], "--speculate/--draft-model with --fixed-shape"),
         (["--prefix-cache", "2", "--fixed-shape"], "use --prefix-cache 0 or leave --fixed-shape out"),
     ],
 )
@@ -1109,3 +1110,22 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(run_dir, t
     assert main(["serve", str(run_dir), "--draft-model", str(tmp_path / "none")]) == 4  # (a missing path)
     err = capsys.readouterr().err.strip()
     assert "serve --draft-model" in err and "does not exist" in err and "\n" not in err, err
+
+
+def test_the_default_kv_cache_is_sized_to_the_memory_available():
+    """With no --max-len, a CPU server whose whole context would not fit the memory available (by the
+    documented formula) takes the longest halving of it that does, and says both numbers; with room
+    for the whole context, or nothing known, it keeps the context."""
+    from shipyard.config import load_config
+    from shipyard.inference.service import fitting_max_len, predicted_bytes
+
+    shape = ["num_layers=30", "num_heads=9", "num_kv_heads=3", "hidden_size=576", "max_seq_len=8192"]
+    cfg = load_config("tiny", [f"model.{o}" for o in shape]).model
+    weights, per_slot = 513 * 2**20, 2 * 30 * 3 * 64 * 4
+    assert fitting_max_len(cfg, weights, 8, 2, "float32", 16 * 2**30) is None
+    assert fitting_max_len(cfg, weights, 8, 2, "float32", None) is None
+    slots, whole, available = fitting_max_len(cfg, weights, 8, 2, "float32", 5 * 2**30)
+    assert available == 5 * 2**30 and whole == predicted_bytes(weights, per_slot * (8 * 8192 + 2 * 2048))
+    assert slots == 4096  # 5.9 GiB for all 8,192 slots, 4.3 for 4,096: under 90% of 5
+    assert predicted_bytes(weights, per_slot * (8 * 4096 + 2 * 2048)) <= 0.9 * available < whole
+    assert fitting_max_len(cfg, weights, 8, 2, "float32", 2**30)[0] == 256  # nothing fits: the shortest

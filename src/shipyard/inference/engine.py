@@ -448,6 +448,12 @@ class Engine:
             raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
         if draft is not None and not speculate:
             raise ValueError("a draft model drafts `speculate` tokens a call: give speculate >= 1 with it")
+        if speculate and fixed_shape:
+            # a check of k+1 positions rounds differently (within 1e-5) from one decode step
+            raise ValueError(
+                "speculate with fixed_shape: fixed_shape promises replies bitwise independent of other "
+                "requests, and whether a call speculates depends on them; use one of them"
+            )
         if prefix_cache and fixed_shape:
             # a prefill over a cached prefix computes fewer rows, so its rounding differs (within 1e-5)
             # from the whole prefill's: a reply would depend on what was asked before it

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.errors import ConfigError, DataError
-from shipyard.inference.engine import Engine
+from shipyard.inference.engine import Engine, default_kv_dtype
 from shipyard.inference.hot_swap import Swapper, fingerprint, tokenizer_digest
+from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
 from shipyard.inference.server import Service, create_app
 from shipyard.inference.tool_calls import family_of
 from shipyard.output import progress
@@ -127,6 +128,12 @@ def load_service(
         raise ConfigError("serve: --draft-model with --speculate 0: the draft model would never be asked")
     if speculate is None:
         speculate = DRAFT_TOKENS if draft_model is not None else 0
+    if speculate and fixed_shape:
+        raise ConfigError(
+            "serve: --speculate/--draft-model with --fixed-shape: a check of several positions rounds "
+            "differently (within 1e-5) from one step, so replies would depend on which calls speculated; "
+            "leave one of them out"
+        )
     tok = load_tokenizer(tok_dir)
     draft = _draft_model(draft_model, tok) if draft_model is not None else None
     ids = special_token_ids(tok_dir, tok)
@@ -144,11 +151,21 @@ def load_service(
     _say(
         f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded from {where} in {time.perf_counter() - t0:.1f} s"
     )
+    fitted = None
+    if max_len is None and jax.default_backend() == "cpu":
+        fitted = fitting_max_len(
+            cfg.model,
+            weight_bytes(params),
+            max_batch,
+            prefix_cache,
+            kv_dtype or default_kv_dtype(params),
+            _memory(),
+        )
     engine = Engine(
         params,
         cfg.model,
         max_batch=max_batch,
-        max_len=max_len,
+        max_len=max_len if fitted is None else fitted[0],
         kv_dtype=kv_dtype,
         tokens_per_call=tokens_per_call,
         fixed_shape=fixed_shape,
@@ -157,9 +174,15 @@ def load_service(
         speculate=speculate,
         draft=draft,
     )
-    why = (
-        f"--max-len {max_len}" if max_len is not None else "the model's whole context: --max-len L takes less"
-    )
+    if max_len is not None:
+        why = f"--max-len {max_len}"
+    elif fitted is not None and fitted[0] < context:
+        why = (
+            f"the model's context of {context} would take about {fitted[1] / 2**30:.1f} GiB with the rest of "
+            f"the server, and {fitted[2] / 2**30:.1f} GiB is available: the longest that fits; --max-len L sets it"
+        )
+    else:
+        why = "the model's whole context: --max-len L takes less"
     _say(
         f"serve: KV cache {engine.max_batch} rows x {engine.max_len} slots x {jnp.dtype(engine.kv_dtype).name} "
         f"= {engine.kv_cache_bytes() / 2**20:.1f} MiB (--max-batch {engine.max_batch}; {why})"
@@ -208,6 +231,53 @@ def load_service(
             tokenizer_sha256=tokenizer_digest(tok_dir),
         ),
     )
+
+
+RUNTIME_BYTES = 1.6 * 2**30
+"""What a CPU server holds besides its weights and caches (runtime, libraries, HTTP server, compiled
+programs): the constant of docs/serving.md's memory formula, fitted by bench/serve_startup.py."""
+
+
+def predicted_bytes(weights: int, cache: int) -> float:
+    """docs/serving.md's resident-memory formula for a CPU server: the runtime, the weights twice (the
+    decode step's fused copy), the KV and prefix caches and a tenth more (decode calls' corner copies)."""
+    return RUNTIME_BYTES + 2 * weights + 1.1 * cache
+
+
+def fitting_max_len(cfg, weights: int, max_batch: int, prefix_cache: int, kv_dtype, available: int | None):
+    """(max_len, predicted bytes at the model's whole context, available bytes) when the whole context
+    would not fit `available` (`predicted_bytes` over 90% of it): the longest of context / 2, / 4, ..
+    (down to 256) that does, else the shortest; None when the whole context fits or nothing is known."""
+    if available is None:
+        return None
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+
+    def need(slots: int) -> float:
+        return predicted_bytes(
+            weights, per_slot * (max_batch * slots + prefix_cache * min(slots, PREFIX_SLOTS))
+        )
+
+    whole = need(cfg.max_seq_len)
+    if whole <= 0.9 * available:
+        return None
+    slots = cfg.max_seq_len
+    while slots > 256 and need(slots) > 0.9 * available:
+        slots //= 2
+    return max(slots, min(256, cfg.max_seq_len)), whole, available
+
+
+def weight_bytes(params) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(params))
+
+
+def _memory() -> int | None:
+    """Bytes this process could hold: what it holds now plus what the OS says is available (Linux)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return (int(info["MemAvailable"].split()[0]) + int(status["VmRSS"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def _draft_model(path, tok) -> tuple:
