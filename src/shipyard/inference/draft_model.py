@@ -35,6 +35,7 @@ import numpy as np
 from shipyard.config import ModelConfig
 from shipyard.inference.decode import init_cache
 from shipyard.inference.decode_path import decode_path, in_corner
+from shipyard.inference.speculation import NO_DRAFT
 
 FILL = 64
 """Tokens per row a catch-up call feeds (a new prompt of L tokens takes about L / FILL calls)."""
@@ -93,7 +94,7 @@ class Drafter:
         return sum(x.nbytes for x in jax.tree.leaves(self._caches))
 
     def drafts(self, rows: Sequence[tuple[int, object, Sequence[int], int]], start, n_rows: int, span: int):
-        """Drafts [max_batch, k] (int32, host) for `rows`, each (row b, its request, its context: prompt
+        """Drafts [max_batch, k] (int32, host; `speculation.NO_DRAFT` in rows not given) for `rows`, each (row b, its request, its context: prompt
         and tokens so far, the slot of its last token), in an engine call over `n_rows` rows and `span`
         slots; `start` [max_batch] (device): each row's first real slot. None while a program compiles
         (the call decodes plainly; nothing changed)."""
@@ -114,7 +115,6 @@ class Drafter:
         )
         if fill is None or propose is None:
             return None
-        at = np.asarray(self.pos, np.int32)
         missing = {}  # row -> its tokens at slots pos[b]..last (the last included)
         for b, request, context, last in rows:
             first = last - (len(context) - 1)  # the row's first real slot
@@ -138,9 +138,11 @@ class Drafter:
         drafts, self._caches = propose(
             self.weights, self._caches, tokens, count, at, start, np.int32(1), np.int32(self.k - 1)
         )
+        drafts, out = np.asarray(drafts), np.full((self.max_batch, self.k), NO_DRAFT, np.int32)
         for b, _, _, last in rows:
             self.pos[b] = last + 1  # the last token's keys and values are in
-        return np.asarray(drafts)
+            out[b] = drafts[b]  # (rows not asked about: no guess)
+        return out
 
     def advance(self, b: int, kept: int) -> None:
         """Row b's check kept `kept` tokens (its drafts up to the first rejected, and one more): the

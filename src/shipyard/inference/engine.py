@@ -1268,9 +1268,6 @@ class Engine:
             drafts = self.draft.drafts(rows, self._rows.start, n_rows, span)
             if drafts is None:  # (its programs compile)
                 return None
-            mine = np.zeros(self.max_batch, bool)
-            mine[[b for b, _ in busy]] = True
-            drafts = np.where(mine[:, None], drafts, speculation.NO_DRAFT).astype(np.int32)
         else:
             drafts = np.full((self.max_batch, k), speculation.NO_DRAFT, np.int32)
             for b, r in busy:

@@ -291,7 +291,7 @@ def _draft_model(path, tok) -> tuple:
     model_dir = open_model_dir(path, what)
     theirs, mine = load_tokenizer(model_dir.require_tokenizer(what)).get_vocab(), tok.get_vocab()
     if theirs != mine:
-        token = next(iter(sorted(set(theirs.items()) ^ set(mine.items()), key=lambda x: x[1])), ("", 0))[0]
+        token = min(set(theirs.items()) ^ set(mine.items()), key=lambda x: x[1])[0]  # the lowest id
         raise ConfigError(
             f"{what}: {path}'s tokenizer is not the served model's ({len(theirs)} vs {len(mine)} tokens; "
             f"they differ at {token!r}); a draft model must share the served model's vocabulary"
