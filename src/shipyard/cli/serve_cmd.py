@@ -50,6 +50,7 @@ def _cmd_serve(args) -> int:
         fixed_shape=args.fixed_shape,
         tool_parser=args.tool_parser,
         prefix_cache=args.prefix_cache,
+        prefill_chunk=args.prefill_chunk,
         speculate=args.speculate,
         draft_model=args.draft_model,
     )
@@ -133,8 +134,17 @@ def register(sub) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="keep the keys and values of the last N prompts, so a prompt sharing a prefix with one of "
-        "them computes only the rest (default 2; 0: off; off with --fixed-shape)",
+        help="keep the keys and values of recent prompts' blocks (room for N prompts of up to 2,048 "
+        "tokens; a block shared by several prompts is kept once), so a prompt that starts as one of them "
+        "computes only the rest, with the same result bit for bit (default 2; 0: off)",
+    )
+    sv.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prefill prompts in pieces of T tokens, the prefix cache's block size: smaller reuses more of "
+        "a partly shared prompt, larger makes fewer, larger products (default 128)",
     )
     sv.add_argument(
         "--speculate",

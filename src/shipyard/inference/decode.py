@@ -41,6 +41,7 @@ def forward_cached(
     start: jax.Array,
     cfg: ModelConfig,
     last_only: bool = False,
+    logits_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Logits [batch, T, vocab] (fp32) for `tokens` [batch, T] written at cache slots pos..pos+T-1.
 
@@ -80,7 +81,11 @@ def forward_cached(
         ks.append(k)
         vs.append(v)
         first += n
-    h = layers.rms_norm(x[:, -1:] if last_only else x, params.final_norm, cfg.norm_eps)
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+    elif last_only:
+        x = x[:, -1:]
+    h = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
     if len(ks) > 1:  # (a dense model keeps its one cache array: no per-token copy)
         ks, vs = [jnp.concatenate(ks)], [jnp.concatenate(vs)]
     return (h @ output_weights(params)).astype(jnp.float32), KVCache(ks[0], vs[0])

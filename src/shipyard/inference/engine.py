@@ -27,9 +27,11 @@ rows' allowed-token masks as an input, read before the next call is queued.
 
 Two optional shortcuts keep every reply what it would be without them (tests/test_prefix_cache.py,
 tests/test_speculation.py): the prefix cache (`prefix_cache`, inference/prefix_cache.py) prefills
-only the part of a prompt that a recent prompt did not share, and speculation (`speculate`,
-inference/speculation.py) checks a few tokens guessed from a reply's own context in one forward.
-Their programs have shapes of their own, compiled on a thread the first time they could be used.
+only the blocks of a prompt that earlier prompts did not share (bitwise what the whole prefill
+computes: prompts are prefilled in `prefill_chunk`-token pieces on a fixed grid, so a cached block
+is the computation skipped, not an approximation of it), and speculation (`speculate`,
+inference/speculation.py) checks a few tokens guessed from a reply's own context in one forward;
+its programs have shapes of their own, compiled on a thread the first time they could be used.
 
 Threads: `Engine.start` runs the loop in a daemon thread that is the only
 user of the device state. `submit` (any thread) queues a `Request`; its
@@ -53,12 +55,12 @@ import numpy as np
 
 from shipyard.config import ModelConfig
 from shipyard.inference import speculation
-from shipyard.inference.decode import forward_cached, init_cache
+from shipyard.inference.decode import KVCache, forward_cached, init_cache
 from shipyard.inference.decode_path import decode_path, in_corner
 from shipyard.inference.draft_model import Drafter
 from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
-from shipyard.inference.prefix_cache import PrefixIndex, init_store, keep, recall
-from shipyard.inference.sampling import Sampling, pick_tokens
+from shipyard.inference.prefix_cache import BlockIndex, init_store, keep, prefill_grid, recall
+from shipyard.inference.sampling import Sampling, pick_tokens, sampling_logits
 from shipyard.model import quant
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,14 @@ def _restricted(logits, allowed, masked):
     return jax.lax.cond(masked, restrict, lambda x, _: x, logits, allowed)
 
 
+def _reported_logprobs(logits, tokens, settings, of_sampling: bool):
+    """`token_logprobs` of the model's own distribution, or with `of_sampling` (static) of the one the
+    tokens were drawn from (`sampling.sampling_logits` under `settings`: temperature, top_k, top_p)."""
+    if of_sampling:
+        logits = sampling_logits(logits, *settings)
+    return token_logprobs(logits, tokens)
+
+
 def _no_logprobs(logits, tokens, top: int = TOP_LOGPROBS):
     B = tokens.shape[0]
     return jnp.zeros(B), jnp.zeros((B, top)), jnp.zeros((B, top), jnp.int32)
@@ -206,6 +216,7 @@ def _decode_steps(
     span: int,
     axes,
     plain=False,
+    sampling_logprobs=False,
 ):
     """`steps` (traced, at most `chunk`) decode steps for the first `n_rows` rows over the first `span`
     cache slots: (tokens [chunk, n_rows], logprobs, rows, caches); entries past `steps` are zeros.
@@ -234,6 +245,7 @@ def _decode_steps(
             chunk=chunk,
             span=span,
             plain=plain,
+            sampling_logprobs=sampling_logprobs,
         )
 
     return in_corner(run, rows, caches, n_rows, span, axes)
@@ -300,8 +312,10 @@ def _steps(
     chunk: int,
     span: int,
     plain: bool,
+    sampling_logprobs: bool = False,
 ):
     B = rows.last.shape[0]
+    settings = (rows.temperature, rows.top_k, rows.top_p)
 
     def body(i, carry):
         out, rows, caches = carry
@@ -318,7 +332,13 @@ def _steps(
         if plain:  # no sampling and no log-prob branch in the program
             chosen, best, ids = _no_logprobs(logits, tokens)
         else:
-            chosen, best, ids = jax.lax.cond(want_logprobs, token_logprobs, _no_logprobs, logits, tokens)
+            chosen, best, ids = jax.lax.cond(
+                want_logprobs,
+                partial(_reported_logprobs, settings=settings, of_sampling=sampling_logprobs),
+                _no_logprobs,
+                logits,
+                tokens,
+            )
         out = jax.tree.map(lambda o, x: o.at[i].set(x), out, (tokens, chosen, best, ids))
         # A busy row ends a call at most at `span` (the call's shape covers pos + steps), the slot the
         # next call, of a larger shape, writes first: clamping it to span - 1 made that call write
@@ -351,51 +371,79 @@ def _admit(
     allowed,
     masked,
     store=None,
+    hit_ids=None,
+    hit_count=None,
     put=None,
-    hit=None,
     *,
     cfg,
     kv_dtype,
     to_decode,
     batch_axis,
-    bucket=None,
+    chunk,
     plain=False,
+    sampling_logprobs=False,
 ):
-    """Prefill m distinct prompts (tokens [m, P], row i left-padded by start[i]) once each, and start
-    k requests on them: request j continues prompt src[j] in cache row slots[j] (the first `count`
-    requests are real; the rest pad the shape, and their slots, max_batch or more, are dropped).
-    So n samples of one prompt cost one prefill, and each samples its own first token.
+    """Prefill m distinct prompts (tokens [m, P], row i's prompt at slots 0..P-start[i]-1, zeros
+    after) once each, and start k requests on them: request j continues prompt src[j] in cache row
+    slots[j] (the first `count` requests are real; the rest pad the shape, and their slots, max_batch
+    or more, are dropped). So n samples of one prompt cost one prefill, and each samples its own
+    first token.
 
-    Returns (first tokens [k], their logprobs, rows, caches). `settings` is (temperature, top_k,
-    top_p, key), each [k], of the requests; `allowed` [k, words] restricts their first tokens when
-    `masked` (structured output). `plain` (static): every request is greedy and none wants
+    Returns (first tokens [k], their logprobs, rows, caches, store). `settings` is (temperature,
+    top_k, top_p, key), each [k], of the requests; `allowed` [k, words] restricts their first tokens
+    when `masked` (structured output). `plain` (static): every request is greedy and none wants
     log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
 
-    With the prefix cache (inference/prefix_cache.py; one prompt, m = 1): the prompt is written
-    to `store` row `put` afterwards, and with `hit` (entry, length) and `bucket` P (static) `tokens`
-    are only the last Q slots [P-Q, P) of the prompt's bucket: the first `length` prompt tokens' K/V
-    come from store row `entry`, the chunk is computed over them. Returns the store as well (None
-    without one).
+    The prompts are computed left-aligned in pieces of `chunk` (static) tokens on a fixed grid
+    (`prefix_cache.prefill_grid`), each piece attending over the pieces before it, then moved to the
+    decode row's layout (left-padded to P: slots start[i]..P-1). With the prefix cache
+    (inference/prefix_cache.py; one prompt, m = 1) the first `hit_count` pieces come from store
+    blocks `hit_ids` and are not computed, and piece j is kept in store block put[j] afterwards.
     """
     temperature, top_k, top_p, key = settings
-    P = tokens.shape[1] if bucket is None else bucket
-    # The prompt's cache is its bucket long, not max_len: its attention covers only the P keys the
-    # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192, and
-    # their buffers stayed in the allocator), and only slots [0, P) of the request's row are written:
-    # the row's later slots may hold an older request's K/V, which no query reads before its own
-    # decode step writes that slot.
-    cache = init_cache(cfg, tokens.shape[0], P, kv_dtype)
-    if hit is not None:
-        cache = recall(store, cache, hit[0], hit[1], start[0])
-    at = jnp.int32(P - tokens.shape[1])
-    logits, cache = forward_cached(params, tokens, cache, at, start, cfg, last_only=True)
-    if store is not None:
-        store = keep(store, cache, start[0], put)
-    logits = logits[:, -1][src]
+    m, P = tokens.shape
+    piece, S = prefill_grid(P, chunk)
+    lengths = P - start
+    tokens = jnp.pad(tokens, ((0, 0), (0, S - P)))
+    # The prompt's cache is its bucket long, not max_len: its attention covers only the keys the
+    # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
+    scratch = init_cache(cfg, m, S, kv_dtype)
+    first = jnp.int32(0)
+    cached = store is not None and piece == chunk
+    if cached:
+        scratch = recall(store, scratch, hit_ids, hit_count)
+        first = hit_count
+    last = (lengths - 1) // piece  # the piece holding each prompt's last token
+    zero = jnp.zeros(m, jnp.int32)
+
+    def step(j, carry):
+        scratch, logits = carry
+        at = j * piece
+        part = jax.lax.dynamic_slice_in_dim(tokens, at, piece, axis=1)
+        end = jnp.clip(lengths - 1 - at, 0, piece - 1)
+        out, scratch = forward_cached(params, part, scratch, at, zero, cfg, logits_at=end)
+        return scratch, jnp.where((j == last)[:, None], out[:, 0], logits)
+
+    logits = jnp.zeros((m, params.embed.shape[0]), jnp.float32)  # (the engine refuses an int8 embedding)
+    scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
+    if cached:
+        store = keep(store, scratch, put)
+    # the decode row's layout: prompt i at slots start[i]..P-1 (the slots before it zero, masked)
+    idx = jnp.arange(P)[None, :] - start[:, None]
+
+    def shift(buf):
+        got = jnp.take_along_axis(buf, jnp.clip(idx, 0, S - 1)[None, :, :, None, None], axis=2)
+        return jnp.where((idx >= 0)[None, :, :, None, None], got, 0)
+
+    cache = KVCache(shift(scratch.k), shift(scratch.v))
+    logits = logits[src]
     token, key = pick_tokens(
         _restricted(logits, allowed, masked), key, temperature, top_k, top_p, may_sample=not plain
     )
-    logprobs = _no_logprobs(logits, token) if plain else token_logprobs(logits, token)
+    if plain:
+        logprobs = _no_logprobs(logits, token)
+    else:
+        logprobs = _reported_logprobs(logits, token, (temperature, top_k, top_p), sampling_logprobs)
     prefilled = to_decode(cache)
 
     def write(j, caches):  # one cache row per real request: no copy of a prompt's row per sample
@@ -411,6 +459,14 @@ def _admit(
     new = (token, jnp.full(src.shape[0], P, jnp.int32), start[src], key, temperature, top_k, top_p)
     rows = Rows(*(field.at[slots].set(value, mode="drop") for field, value in zip(rows, new)))
     return token, logprobs, rows, caches, store
+
+
+PREFILL_CHUNK = 128
+"""Tokens a prompt is prefilled per piece (a longer bucket loops over pieces), and the prefix cache's
+block: a block is reused whole, so a smaller one reuses more of a partly shared prompt, and a larger
+one makes fewer, larger matrix products. On 2 CPU cores (bench/prefill_chunk.py, the bench model)
+pieces of 64 made a 200-token prefill 1.8x and a 1,000-token one 1.2x slower than one piece; of 128,
+1.7x and 0.94x; of 256, 1.0x."""
 
 
 def prompt_bucket(n: int, max_len: int) -> int:
@@ -434,8 +490,10 @@ class Engine:
         fixed_shape: bool = False,
         fingerprint: str | None = None,
         prefix_cache: int = 0,
+        prefill_chunk: int = PREFILL_CHUNK,
         speculate: int = 0,
         draft=None,
+        sampling_logprobs: bool = False,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -444,24 +502,27 @@ class Engine:
             raise ValueError("max_batch and tokens_per_call must be at least 1")
         if prefix_cache < 0:
             raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk is a number of tokens (at least 1), got {prefill_chunk}")
         if speculate < 0:
             raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
         if draft is not None and not speculate:
             raise ValueError("a draft model drafts `speculate` tokens a call: give speculate >= 1 with it")
+        if speculate and sampling_logprobs:
+            raise ValueError(
+                "sampling_logprobs reports each step's sampling distribution; speculate checks drafts"
+            )
         if speculate and fixed_shape:
             # a check of k+1 positions rounds differently (within 1e-5) from one decode step
             raise ValueError(
                 "speculate with fixed_shape: fixed_shape promises replies bitwise independent of other "
                 "requests, and whether a call speculates depends on them; use one of them"
             )
-        if prefix_cache and fixed_shape:
-            # a prefill over a cached prefix computes fewer rows, so its rounding differs (within 1e-5)
-            # from the whole prefill's: a reply would depend on what was asked before it
-            raise ValueError(
-                "prefix_cache with fixed_shape: fixed_shape promises replies bitwise independent of other "
-                "requests, and reusing another request's prefix changes their rounding; use one of them"
-            )
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
+        self.sampling_logprobs = sampling_logprobs
+        """Requests that ask for log-probs get those of the distribution each token was drawn from
+        (temperature, top-k, top-p applied: `sampling.sampling_logits`) instead of the model's own:
+        what RL's importance ratio needs (rl/rollout.py)."""
         self.fixed_shape = fixed_shape
         """Every decode call covers all rows and slots: one compiled shape, so a row's arithmetic (and
         its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster
@@ -494,10 +555,13 @@ class Engine:
         self.uses_cpu_decode = path.cpu
         """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
         self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
-        self.prefix = PrefixIndex(prefix_cache, min(max_len, PREFIX_SLOTS)) if prefix_cache else None
+        self.prefill_chunk = prefill_chunk
+        """Tokens of a prompt prefilled per piece (`_admit`), and the prefix cache's block size."""
+        blocks = prefix_cache * -(-min(max_len, PREFIX_SLOTS) // prefill_chunk)
+        self.prefix = BlockIndex(blocks, prefill_chunk, prefix_cache) if prefix_cache else None
         """The prefix cache's index (None: off); its counters are what /metrics reports."""
         self._store = (
-            jax.jit(lambda: init_store(cfg, prefix_cache, max_len, kv_dtype))() if prefix_cache else None
+            jax.jit(lambda: init_store(cfg, blocks, prefill_chunk, kv_dtype))() if prefix_cache else None
         )
         # programs compiled on first use: Compiled, None while compiling
         self._aside: dict[tuple, object] = {}
@@ -516,12 +580,20 @@ class Engine:
                 kv_dtype=kv_dtype,
                 to_decode=to_decode,
                 batch_axis=batch_axis,
+                chunk=prefill_chunk,
+                sampling_logprobs=sampling_logprobs,
             ),
             donate_argnums=(1, 2, 11),
-            static_argnames=("bucket", "plain"),
+            static_argnames=("plain",),
         )
         self._decode = jax.jit(
-            partial(_decode_steps, forward=forward, chunk=tokens_per_call, axes=axes),
+            partial(
+                _decode_steps,
+                forward=forward,
+                chunk=tokens_per_call,
+                axes=axes,
+                sampling_logprobs=sampling_logprobs,
+            ),
             donate_argnums=(1, 2),
             static_argnames=("n_rows", "span", "plain"),
             compiler_options=decode_compiler_options(self.params),
@@ -790,7 +862,7 @@ class Engine:
             settings,
             self._open_mask(k),
             np.bool_(False),
-            *self._keep_at(None),
+            *self._keep_at(P),
         ]
 
     def decode_compilations(self) -> int:
@@ -1112,7 +1184,7 @@ class Engine:
     def _start(self, requests: list[Request]) -> None:
         """Prefill `requests` (one bucket) in one call into free slots and hand out their first tokens;
         requests with the same prompt (n samples of it) share one prefill row. A lone prompt with a
-        prefix the prefix cache holds is prefilled from there on (`_suffix_program`)."""
+        prefix the prefix cache holds computes only the pieces after its cached blocks (`_admit`)."""
         P, admit = self._bucket(requests[0]), self._admit
         if self._lazy and self._thread is not None:
             P, admit = self._compiled_admit(P, requests)
@@ -1120,11 +1192,11 @@ class Engine:
         m = 1 << (len(prompts) - 1).bit_length()
         # a started engine uses the one target count `compile` prepared; generate's batches their own
         n = self.max_batch if self._thread is not None else 1 << (len(requests) - 1).bit_length()
-        tokens = np.zeros((m, P), np.int32)
+        tokens = np.zeros((m, P), np.int32)  # left-aligned: _admit moves them to the decode layout
         start = np.full(m, P - 1, np.int32)
         for i, p in enumerate(prompts):
             start[i] = P - len(p)
-            tokens[i, start[i] :] = p
+            tokens[i, : len(p)] = p
         src = np.zeros(n, np.int32)
         slots = np.full(n, self.max_batch, np.int32)  # out of range: dropped
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
@@ -1141,7 +1213,9 @@ class Engine:
             r.sampling.temperature <= 0 and not r.sampling.logprobs for r in requests
         )
         constrained = any(r.constraint is not None for r in requests)
-        reuse = self.prefix.plan(list(prompts[0])) if self.prefix is not None and m == 1 else None
+        piece, span = prefill_grid(P, self.prefill_chunk)
+        cached = self.prefix is not None and m == 1 and piece == self.prefill_chunk
+        reuse = self.prefix.plan(list(prompts[0]), span // piece) if cached else None
         args = [
             self.params,
             self._rows,
@@ -1154,24 +1228,14 @@ class Engine:
             settings,
             self._masks(requests, n) if constrained else self._open_mask(n),
             np.bool_(constrained),
-            *self._keep_at(reuse),
+            *self._keep_at(P, reuse),
         ]
-        program, Q = admit, P
-        if reuse is not None and reuse.length:
-            Q = prompt_bucket(P - int(start[0]) - reuse.length, P)
-            suffix = self._suffix_program(Q, P, plain, args) if Q < P else None
-            if suffix is None:
-                Q = P
-            else:
-                program = suffix
-                args[3] = args[3][:, P - Q :]
-                args.append((np.int32(reuse.entry), np.int32(reuse.length)))
-        if program is self._admit:  # (jitted: compiled on first use, also for `plain`)
+        if admit is self._admit:  # (jitted: compiled on first use, also for `plain`)
             token, logprobs, self._rows, self._caches, self._store = self._admit(*args, plain=plain)
         else:
-            token, logprobs, self._rows, self._caches, self._store = program(*args)
+            token, logprobs, self._rows, self._caches, self._store = admit(*args)
         if reuse is not None:
-            self.prefix.commit(list(prompts[0]), reuse, saved=P - Q)
+            self.prefix.commit(reuse)
         token = np.asarray(token).tolist()
         host = [np.asarray(x) for x in logprobs] if any(r.sampling.logprobs for r in requests) else None
         for i, (r, slot) in enumerate(zip(requests, free)):
@@ -1183,21 +1247,16 @@ class Engine:
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None
             self._take(r, [token[i]], [lp if r.sampling.logprobs else None])
 
-    def _keep_at(self, reuse) -> tuple:
-        """The prefix cache's (store, row to keep the prompt in) arguments of a prefill: () when the
-        cache is off; the row past the last (nothing kept) without a plan (`compile`, a batch)."""
+    def _keep_at(self, P: int, reuse=None) -> tuple:
+        """The prefix cache's (store, hit ids, hit count, put ids) arguments of a P-slot prefill: ()
+        when the cache is off; no hit and nothing kept without a plan (`compile`, a batch)."""
         if self._store is None:
             return ()
-        return self._store, np.int32(self.prefix.entries if reuse is None else reuse.put)
-
-    def _suffix_program(self, Q: int, P: int, plain: bool, args: list):
-        """The compiled prefill of the last Q slots of a P-slot bucket over a remembered prefix, or None
-        while it is not compiled (`_program`)."""
-
-        def example():
-            return [*args[:3], args[3][:, P - Q :], *args[4:], (np.int32(0), np.int32(0))]
-
-        return self._program(("suffix", Q, P, plain), self._admit, example, bucket=P, plain=plain)
+        piece, span = prefill_grid(P, self.prefill_chunk)
+        n = span // piece if piece == self.prefill_chunk else 1
+        if reuse is None:
+            return self._store, np.zeros(n, np.int32), np.int32(0), np.full(n, self.prefix.blocks, np.int32)
+        return self._store, *reuse.arrays(n, self.prefix.blocks)
 
     def _program(self, key: tuple, jitted, example: Callable[[], list], **static):
         """`jitted` compiled for arguments shaped as `example()` (and `static`), or None while it is not

@@ -122,13 +122,15 @@ class _SwapCounts:
 class _PrefixCounts:
     """The prefix cache's counters (inference/prefix_cache.py), read from its index when scraped:
     lookups and hits (admissions), hit tokens (prompt tokens whose K/V came from the cache), saved
-    tokens (prefill positions not computed), and the prompt tokens it holds now."""
+    tokens (prefill positions not computed), blocks evicted, and the prompt tokens it holds now and
+    can hold."""
 
     _COUNTERS = (
         ("lookups", "Prompts looked up in the prefix cache (one per prefill)"),
         ("hits", "Prompts prefilled from a cached prefix"),
         ("hit_tokens", "Prompt tokens whose keys and values came from the prefix cache"),
-        ("saved_tokens", "Prefill positions the prefix cache saved computing (bucketed)"),
+        ("saved_tokens", "Prefill positions the prefix cache saved computing"),
+        ("evicted", "Blocks the full prefix cache gave to a new prefix (least recently used first)"),
     )
 
     def __init__(self, index):
@@ -151,7 +153,11 @@ class _PrefixCounts:
             value=self.index.held_tokens(),
         )
         yield GaugeMetricFamily(
-            "shipyard_prefix_cache_entries", "Prompts the prefix cache can hold (--prefix-cache)",
+            "shipyard_prefix_cache_capacity_tokens", "Prompt tokens the prefix cache can hold",
+            value=self.index.blocks * self.index.chunk,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "shipyard_prefix_cache_entries", "Prompts of up to 2,048 tokens the prefix cache is sized for (--prefix-cache)",
             value=self.index.entries,
         )  # fmt: skip
 

@@ -74,6 +74,25 @@ def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.where(drop, -jnp.inf, logits)
 
 
+def sampling_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """The logits of the distribution a sampled row draws from: logits [batch, vocab] divided by the
+    row's temperature (floored at MIN_TEMPERATURE), the tokens outside its top-k / top-p at -inf.
+    Greedy rows (temperature 0) keep the model's own logits. `pick_tokens` samples from these, and
+    RL's trainer takes its log-probs from them (rl/step.py), so both sides apply one transform."""
+    import jax
+    import jax.numpy as jnp
+
+    batch = logits.shape[0]
+    temperature, top_k, top_p = (
+        jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+        for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32))
+    )
+    scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+    return jnp.where((temperature > 0)[:, None], scaled, logits)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How one request picks its tokens (every entry point builds one with `resolve_sampling`)."""
@@ -184,9 +203,7 @@ def pick_tokens(
         return greedy, keys
 
     def sampled(_):
-        scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
-        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+        scaled = sampling_logits(logits, temperature, top_k, top_p)
         split = jax.vmap(jax.random.split)(keys)
         picks = jax.vmap(jax.random.categorical)(split[:, 1], scaled).astype(jnp.int32)
         hot = temperature > 0

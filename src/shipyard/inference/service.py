@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.errors import ConfigError, DataError
-from shipyard.inference.engine import Engine, default_kv_dtype
+from shipyard.inference.engine import PREFILL_CHUNK, Engine, default_kv_dtype
 from shipyard.inference.hot_swap import Swapper, fingerprint, tokenizer_digest
 from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
 from shipyard.inference.server import Service, create_app
@@ -36,9 +36,10 @@ CACHE_MAX_BYTES = 4 << 30
 """The compile cache's size bound (JAX evicts the least recently used programs past it)."""
 
 PREFIX_CACHE = 2
-"""Prompts `serve` keeps the K/V of by default (`--prefix-cache`). Each takes a KV cache row of up
-to 2,048 slots (`prefix_cache.SLOTS`); two hold a shared system prompt and the last conversation
-extended, for at most a quarter of the default 8 rows' memory."""
+"""Prompts of up to 2,048 tokens (`prefix_cache.SLOTS`) `serve` sizes the prefix cache for by default
+(`--prefix-cache`): as much as 2 KV cache rows, a quarter of the default 8 rows' memory. Blocks are
+shared, so that holds one system prompt in front of any number of conversations and their recent
+turns."""
 
 
 def enable_compile_cache(directory: str | None) -> str | None:
@@ -88,13 +89,16 @@ def load_service(
     fixed_shape: bool = False,
     tool_parser: str = "auto",
     prefix_cache: int | None = None,
+    prefill_chunk: int | None = None,
     speculate: int | None = None,
     draft_model: str | Path | None = None,
 ) -> Service:
     """A started, warmed-up `Service` for the model directory `model`, ready to swap in others
     (`hot_swap.Swapper`) of the same kind. `tool_parser`: the tool-call format replies are read in
     (`tool_calls.FAMILIES`), "auto" from the chat template, "none" for no tool calls.
-    `prefix_cache`: prompts whose K/V are kept for reuse (None: `PREFIX_CACHE`, 0 with `fixed_shape`).
+    `prefix_cache`: the prefix cache's size in prompts of up to `prefix_cache.SLOTS` tokens (None:
+    `PREFIX_CACHE`; 0: off); `prefill_chunk`: tokens a prompt is prefilled per piece, the cache's block
+    (None: `engine.PREFILL_CHUNK`).
     `speculate`: draft tokens a reply checks per decode call (None: `DRAFT_TOKENS` with a draft model,
     else 0: off); `draft_model`: a model directory with the same vocabulary whose guesses they are
     (default: prompt lookup)."""
@@ -114,14 +118,12 @@ def load_service(
         raise ConfigError(f"serve: --tokens-per-call must be at least 1, got {tokens_per_call}")
     if prefix_cache is not None and prefix_cache < 0:
         raise ConfigError(f"serve: --prefix-cache is a number of prompts (0: off), got {prefix_cache}")
-    if prefix_cache and fixed_shape:
-        raise ConfigError(
-            "serve: --prefix-cache with --fixed-shape: a prefill over a cached prefix rounds differently "
-            "(within 1e-5), so replies would not be bitwise independent of other requests; "
-            "use --prefix-cache 0 or leave --fixed-shape out"
-        )
+    if prefill_chunk is None:
+        prefill_chunk = PREFILL_CHUNK
+    if prefill_chunk < 1:
+        raise ConfigError(f"serve: --prefill-chunk is a number of tokens (at least 1), got {prefill_chunk}")
     if prefix_cache is None:
-        prefix_cache = 0 if fixed_shape else PREFIX_CACHE
+        prefix_cache = PREFIX_CACHE
     if speculate is not None and speculate < 0:
         raise ConfigError(f"serve: --speculate is a number of draft tokens (0: off), got {speculate}")
     if draft_model is not None and speculate == 0:
@@ -171,6 +173,7 @@ def load_service(
         fixed_shape=fixed_shape,
         fingerprint=weights,
         prefix_cache=prefix_cache,
+        prefill_chunk=prefill_chunk,
         speculate=speculate,
         draft=draft,
     )
@@ -187,10 +190,10 @@ def load_service(
         f"serve: KV cache {engine.max_batch} rows x {engine.max_len} slots x {jnp.dtype(engine.kv_dtype).name} "
         f"= {engine.kv_cache_bytes() / 2**20:.1f} MiB (--max-batch {engine.max_batch}; {why})"
     )
-    if prefix_cache:
+    if engine.prefix is not None:
         _say(
-            f"serve: prefix cache {prefix_cache} prompts x {engine.prefix.slots} slots = "
-            f"{engine.prefix_cache_bytes() / 2**20:.1f} MiB (--prefix-cache N; 0: off)"
+            f"serve: prefix cache {engine.prefix.blocks} blocks x {engine.prefill_chunk} tokens = "
+            f"{engine.prefix_cache_bytes() / 2**20:.1f} MiB (--prefix-cache {prefix_cache} prompts' worth; 0: off)"
         )
     if engine.draft is not None:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft[0]))
