@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("shipyard.train", "shipyard.plan")),
     ("inference", ("shipyard.inference",)),
     ("eval", ("shipyard.eval", "shipyard.lm_eval_adapter")),
+    ("rl", ("shipyard.rl",)),
     ("experiment", ("shipyard.experiment",)),
     ("cli", ("shipyard.cli",)),
 ]

@@ -342,7 +342,27 @@ CASES = [
     C("serve tokens per call", lambda t, w: ["serve", str(w.run), "--tokens-per-call", "0"], CONFIG, "--tokens-per-call"),
     C("eval task file", lambda t, w: ["eval", str(w.run), "--task", f"mc:{_write(t / 'mc.jsonl', '{oops')}"], DATA, "mc.jsonl"),
     C("run url unpublished", lambda t, w: ["generate", "memory://shipyard-none/runs/x", "--prompt", "a"], RUNDIR, "holds no published run"),
+    # shipyard rl: settings, reward functions, prompt files
+    C("rl group of one", lambda t, w: ["rl", str(w.run), str(t / "o"), "group_size=1"], CONFIG, "group_size"),
+    C("rl unknown setting", lambda t, w: ["rl", str(w.run), str(t / "o"), "groupsize=4"], CONFIG, "groupsize"),
+    C("rl greedy rollouts", lambda t, w: ["rl", str(w.run), str(t / "o"), "temperature=0"], CONFIG, "temperature"),
+    C("rl task and prompts", lambda t, w: ["rl", str(w.run), str(t / "o"), f"prompts={_write(t / 'p.jsonl', '{}')}"], CONFIG, "not both or neither"),
+    C("rl prompts without reward", lambda t, w: ["rl", str(w.run), str(t / "o"), "task=null", f"prompts={_write(t / 'p.jsonl', '{}')}"], CONFIG, "reward"),
+    C("rl reward does not import", lambda t, w: _rl(t, w, "def f(:\n"), CONFIG, "importing"),
+    C("rl reward signature", lambda t, w: _rl(t, w, "def f(prompt):\n    return 0\n"), CONFIG, "must take (prompt, completion, metadata)"),
+    C("rl reward missing", lambda t, w: _rl(t, w, "def g(prompt, completion, metadata):\n    return 0\n"), CONFIG, "has no function 'f'"),
+    C("rl reward file absent", lambda t, w: _rl(t, w, None), CONFIG, "does not exist"),
+    C("rl prompt line", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"prompt": "a"}\n{oops\n'), DATA, "p.jsonl:2"),
+    C("rl prompt field", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"text": "a"}\n'), DATA, "needs 'prompt'"),
+    C("rl into existing", lambda t, w: ["rl", str(w.run), str(_copy(w.shards, t / "o"))], FS, "already exists"),
 ]
+
+
+def _rl(t: Path, w: World, reward: str | None, prompts: str = '{"prompt": "a"}\n') -> list[str]:
+    """`shipyard rl` on a prompt file with the reward function `reward` (None: its file is absent)."""
+    if reward is not None:
+        _write(t / "r.py", reward)
+    return ["rl", str(w.run), str(t / "o"), "task=null", f"prompts={_write(t / 'p.jsonl', prompts)}", f"reward={t / 'r.py'}:f"]
 # fmt: on
 
 

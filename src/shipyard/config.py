@@ -725,6 +725,92 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class RLConfig(Schema):
+    """`shipyard rl`: reinforcement learning from verifiable rewards (GRPO / Dr. GRPO / DAPO, rl/loss.py), rollouts from the serving engine."""
+
+    task: Literal["add", "multiply", "reverse", "sort"] | None = "add"
+    """A built-in task generated locally with an exact checker (rl/tasks.py); null with `prompts`."""
+    digits: int = Field(2, ge=1, le=9)
+    """The built-in task's size: numbers of up to this many digits (letters: up to this many + 1)."""
+    prompts: str | None = None
+    """A JSONL prompt file instead of a task: one object per line with "prompt" (or "messages") and the fields `reward` reads."""
+    reward: str | None = None
+    """The reward function of `prompts`: module:function or path/to/file.py:function, called (prompt, completion, metadata) -> float."""
+    steps: int = Field(20, gt=0)
+    """Rollout batches, each followed by `updates_per_batch` optimizer steps."""
+    prompts_per_step: int = Field(8, gt=0)
+    """Prompts per rollout batch (N); each gets `group_size` replies."""
+    group_size: int = Field(8, ge=2)
+    """Replies per prompt (G): the group whose mean reward is each reply's baseline (2 at least: one reply has no baseline)."""
+    max_tokens: int = Field(16, gt=0)
+    """New tokens per reply at most; a reply cut there is overlong (see `overlong`)."""
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    """Rollout temperature; the trainer's log-probs use the same (inference/sampling.py: sampling_logits)."""
+    top_k: int = Field(0, ge=0)
+    """Rollout top-k (0: every token), applied identically in the trainer's log-probs."""
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    """Rollout nucleus mass (1: every token), applied identically in the trainer's log-probs."""
+    lr: float = Field(3e-5, gt=0)
+    """AdamW learning rate (constant)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the gradient's global norm to this; null: no clipping."""
+    advantage: Literal["group_std", "group_mean"] = "group_std"
+    """group_std: (r - mean) / (std + 1e-4) within each group (GRPO); group_mean: r - mean (Dr. GRPO)."""
+    aggregation: Literal["sequence", "token", "constant"] = "token"
+    """sequence: mean over each reply's tokens, then over replies (GRPO); token: over all tokens of the batch (DAPO); constant: sum over tokens / (replies x max_tokens) (Dr. GRPO)."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """The ratio's lower clip: 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """The ratio's upper clip: 1 + clip_high (DAPO's clip-higher: above clip_low lets unlikely tokens rise)."""
+    beta: float = Field(0.0, ge=0)
+    """Coefficient of the k3 KL to the starting model (0: no reference copy is kept)."""
+    updates_per_batch: int = Field(1, gt=0)
+    """Optimizer steps on each rollout batch (the first is exactly on-policy: ratio 1)."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (no advantage, no gradient) and refill the batch with new prompts (DAPO)."""
+    max_refills: int = Field(3, ge=0)
+    """With dynamic_sampling: rounds of new prompts drawn to refill a batch before training on what it has."""
+    overlong: Literal["mask", "penalty", "keep"] = "mask"
+    """A reply cut at max_tokens without ending: mask (left out of the loss), penalty (its reward plus overlong_penalty) or keep."""
+    overlong_penalty: float = -1.0
+    """Added to an overlong reply's reward with overlong: penalty."""
+    eval_prompts: int = Field(64, ge=0)
+    """Held-out prompts (never trained on) scored before the first batch and every eval_every steps: mean reward, pass@1 (greedy) and pass@k."""
+    eval_every: int = Field(5, gt=0)
+    """Steps between held-out evaluations (and after the last)."""
+    pass_k: int = Field(4, ge=1)
+    """k of pass@k: a held-out prompt passes when any of k sampled replies is right (reward >= 1)."""
+    max_batch: int = Field(64, gt=0)
+    """Cache rows of the rollout engine (replies decoded at once)."""
+    seed: int = 0
+    """Seed of the prompts drawn, the replies sampled and the held-out set; a resumed run draws the same."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> RLConfig:
+        if (self.task is None) == (self.prompts is None):
+            raise ValueError(
+                "task: give a built-in task or a prompts file (with reward), not both or neither"
+            )
+        if self.prompts is not None and self.reward is None:
+            raise ValueError(
+                "reward: a prompts file needs a reward function (module:function or file.py:function)"
+            )
+        return self
+
+
+def build_rl_config(overrides: list[str]) -> RLConfig:
+    """An RLConfig from `key=value` overrides (values parsed as YAML); ConfigError in one line."""
+    data = apply_overrides({}, overrides)
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(
+            format_validation_error(e, RLConfig).replace("invalid config", "invalid rl config")
+        ) from e
+
+
 def _schema_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
     """The schema class that owns location `loc` (for listing valid keys)."""
     schema: Any = root

@@ -14,6 +14,7 @@ from shipyard.cli import (
     interop_cmd,
     pipeline_cmd,
     plan_cmd,
+    rl_cmd,
     serve_cmd,
     train_cmd,
 )
@@ -29,6 +30,7 @@ GROUPS = (
     inference_cmd,
     serve_cmd,
     eval_cmd,
+    rl_cmd,
     plan_cmd,
     pipeline_cmd,
 )

@@ -1,0 +1,279 @@
+"""`shipyard rl`: the loop. Rollouts from the serving engine, rewards, advantages, optimizer steps,
+the new weights swapped into the same engine, held-out evaluation; metrics.jsonl and the final
+params as a model directory every other command reads.
+
+    for each step:
+        draw N prompts; G replies each (one engine call; a prompt's replies share its prefill)
+        rewards; with dynamic sampling, groups of equal rewards are dropped and new prompts drawn
+        advantages per group; `updates_per_batch` optimizer steps on the batch (rl/step.py)
+        the engine takes the new weights in place (`Engine.swap`: same shapes, nothing recompiles)
+
+The output directory holds config.yaml, the tokenizer files and params/ (Orbax), as `import hf`
+writes them, so `generate`, `chat`, `serve`, `eval` and `train.init_from` take it as it is; and
+metrics.jsonl (a line per step: rewards, lengths, dropped groups, clip fraction, KL, entropy, the
+importance ratio at each batch's first step, rollout and training seconds; held-out reward, pass@1
+and pass@k where evaluated) and rl.yaml (the resolved RLConfig).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from shipyard.config import RLConfig, to_yaml
+from shipyard.errors import ConfigError, DataError
+from shipyard.inference.engine import Engine
+from shipyard.output import atomic_dir, progress, refuse_existing
+from shipyard.rl import tasks
+from shipyard.rl.loss import group_advantages
+from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
+from shipyard.rl.step import build_optimizer, make_update
+
+EVAL_SEED = 0x5EED
+"""Mixed into the run's seed for the held-out prompts (a stream of its own)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+class PromptSource:
+    """The training prompts, in a fixed order for the run's seed, never one of the held-out prompts:
+    a built-in task's items or a prompt file's lines (reshuffled at each pass)."""
+
+    def __init__(self, rl: RLConfig, file_items: list[dict] | None, held_out: set[str]):
+        self.rl, self.items, self.held_out = rl, file_items, held_out
+        self.next = 0  # items handed out so far (a resumed run starts where the step says)
+
+    def take(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            item = self._item(self.next)
+            self.next += 1
+            if item["prompt"] not in self.held_out:
+                out.append(item)
+        return out
+
+    def _item(self, index: int) -> dict:
+        if self.items is None:
+            return tasks.task_item(self.rl.task, self.rl.seed, index, self.rl.digits)
+        rounds, at = divmod(index, len(self.items))
+        order = np.random.default_rng([self.rl.seed, rounds]).permutation(len(self.items))
+        return self.items[int(order[at])]
+
+
+def _held_out(rl: RLConfig, file_items: list[dict] | None) -> list[dict]:
+    """The held-out prompts: a task's own stream, or the last eval_prompts lines of a prompt file."""
+    if rl.eval_prompts == 0:
+        return []
+    if file_items is None:
+        seen, out, i = set(), [], 0
+        while len(out) < rl.eval_prompts and i < 100 * rl.eval_prompts:
+            item = tasks.task_item(rl.task, rl.seed ^ EVAL_SEED, i, rl.digits)
+            i += 1
+            if item["prompt"] not in seen:
+                seen.add(item["prompt"])
+                out.append(item)
+        return out
+    if len(file_items) <= rl.eval_prompts:
+        raise DataError(
+            f"rl: {rl.prompts} holds {len(file_items)} prompts; eval_prompts={rl.eval_prompts} would leave none "
+            "to train on (lower eval_prompts, or 0)"
+        )
+    return file_items[-rl.eval_prompts :]
+
+
+def run_rl(
+    model: str,
+    out: str | Path,
+    rl: RLConfig,
+    *,
+    checkpoint: int | None = None,
+    tokenizer: str | None = None,
+    say=print,
+) -> dict:
+    """Train the model directory `model` (step `checkpoint` of a run, default its newest) with RL into
+    the new directory `out`; returns the last step's metrics (and the held-out ones)."""
+    from shipyard.data.tokenizer import load_tokenizer, special_token_ids
+    from shipyard.run.model_dir import open_model_dir
+
+    out = Path(out)
+    refuse_existing(out, "rl")
+    model_dir = open_model_dir(model, "rl", tokenizer)
+    tok_dir = model_dir.require_tokenizer("rl")
+    tok = load_tokenizer(tok_dir)
+    eos = special_token_ids(tok_dir, tok)["eos_token"]
+    if rl.prompts is not None:
+        file_items = tasks.load_prompts(rl.prompts)
+        if any("prompt" not in item for item in file_items):
+            raise DataError(
+                f"rl: {rl.prompts}: chat prompts ('messages') are not supported yet; give 'prompt'"
+            )
+        reward = tasks.Rewarder(tasks.load_reward(rl.reward))
+    else:
+        file_items, reward = None, tasks.Rewarder(tasks.exact_answer)
+    held_out = _held_out(rl, file_items)
+    source = PromptSource(rl, file_items, {item["prompt"] for item in held_out})
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special_tokens=False).ids) or (eos,)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=False)
+
+    cfg, _, params = model_dir.load(checkpoint, what="rl")
+    params = jax.tree.map(jnp.asarray, params)
+    longest = max(len(encode(item["prompt"])) for item in [*held_out, *source.take(256)])
+    source.next = 0
+    length = -(-(longest + rl.max_tokens + 8) // 16) * 16  # prompt + reply, headroom for longer prompts
+    if length > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "
+            f"{cfg.model.max_seq_len}; lower max_tokens"
+        )
+    engine = Engine(params, cfg.model, max_batch=rl.max_batch, max_len=length, sampling_logprobs=True)
+    optimizer = build_optimizer(rl)
+    opt_state = optimizer.init(params)
+    update = make_update(cfg.model, rl, optimizer)
+    reference = params if rl.beta else None
+    rows = rl.prompts_per_step * rl.group_size
+
+    def groups_of(items, step: int, replies: int, temperature: float, salt: int = 0) -> list[Group]:
+        prompts = []
+        for item in items:
+            ids = encode(item["prompt"])
+            if len(ids) + rl.max_tokens > length:
+                raise DataError(
+                    f"rl: the prompt {item['prompt'][:40]!r} is {len(ids)} tokens: longer than the "
+                    f"{length - rl.max_tokens} the run sized its engine for (prompts of up to {longest} seen)"
+                )
+            prompts.append(ids)
+        return sample_groups(
+            engine,
+            items,
+            prompts,
+            rl=rl,
+            replies=replies,
+            temperature=temperature,
+            seeds=lambda i, g: reply_seed(rl.seed + salt, step, i, g),
+            stop_ids=(eos,),
+            decode=decode,
+            reward=reward,
+        )
+
+    def evaluate(step: int) -> dict:
+        if not held_out:
+            return {}
+        greedy = groups_of(held_out, step, 1, 0.0, salt=1)
+        sampled = groups_of(held_out, step, rl.pass_k, rl.temperature, salt=2)
+        rewards = np.array([g.replies[0].reward for g in greedy])
+        return {
+            "eval_reward": float(rewards.mean()),
+            "eval_pass@1": pass_at(greedy),
+            f"eval_pass@{rl.pass_k}": pass_at(sampled),
+        }
+
+    with atomic_dir(out, "rl") as tmp:
+        (tmp / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
+        log = (tmp / "metrics.jsonl").open("w")
+        first_eval = evaluate(0)
+        _write(log, {"step": 0, **first_eval})
+        say(f"rl: held-out before training: {_show(first_eval)}")
+        last: dict = {}
+        bar = progress(range(1, rl.steps + 1), desc="rl", unit="step")
+        for step in bar:
+            t0 = time.perf_counter()
+            groups, sampled, refills = _draw(rl, source, step, groups_of)
+            rollout_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            metrics: dict = {}
+            if groups:
+                rewards = np.stack([g.rewards() for g in groups])
+                adv = np.asarray(group_advantages(jnp.asarray(rewards), rl.advantage))
+                batch = build_batch(groups, adv, rows, length, rl)
+                for u in range(rl.updates_per_batch):
+                    params, opt_state, m = update(params, opt_state, batch, reference)
+                    if u == 0:  # the batch's first step: the policy is the sampler, ratio 1
+                        metrics = {
+                            f"first_{k}": float(v)
+                            for k, v in m.items()
+                            if k.startswith(("ratio", "kl_rollout"))
+                        }
+                    metrics.update({k: float(v) for k, v in m.items()})
+                engine.swap(params)
+            train_s = time.perf_counter() - t1
+            every = [r for g in sampled for r in g.replies]
+            values = np.array([r.reward for r in every])
+            last = {
+                "step": step,
+                "reward_mean": float(values.mean()),
+                "reward_min": float(values.min()),
+                "reward_max": float(values.max()),
+                "reply_tokens": float(np.mean([len(r.tokens) for r in every])),
+                "overlong_fraction": float(np.mean([r.overlong for r in every])),
+                "groups_trained": len(groups),
+                "dropped_fraction": 1.0 - len(groups) / max(len(sampled), 1),
+                "refills": refills,
+                **metrics,
+                "rollout_seconds": rollout_s,
+                "train_seconds": train_s,
+                "rollout_share": rollout_s / max(rollout_s + train_s, 1e-9),
+                "reward_failures": dict(reward.failures),
+            }
+            if step % rl.eval_every == 0 or step == rl.steps:
+                last.update(evaluate(step))
+            _write(log, last)
+            bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
+        log.close()
+        _save(tmp, out, params, model_dir, tok_dir)
+    say(f"rl: wrote {out} (step {rl.steps}: {_show(last)})")
+    return last
+
+
+def _draw(rl: RLConfig, source: PromptSource, step: int, groups_of: Callable) -> tuple[list, list, int]:
+    """(groups to train on, every group sampled, refill rounds) of one step: N prompts, then with
+    dynamic sampling new prompts for the groups of equal rewards, up to max_refills rounds."""
+    sampled = groups_of(source.take(rl.prompts_per_step), step, rl.group_size, rl.temperature)
+    keep = [g for g in sampled if informative(g)] if rl.dynamic_sampling else list(sampled)
+    rounds = 0
+    while rl.dynamic_sampling and len(keep) < rl.prompts_per_step and rounds < rl.max_refills:
+        rounds += 1
+        more = groups_of(
+            source.take(rl.prompts_per_step - len(keep)), step, rl.group_size, rl.temperature, 100 + rounds
+        )
+        sampled += more
+        keep += [g for g in more if informative(g)]
+    return keep[: rl.prompts_per_step], sampled, rounds
+
+
+def _write(log, record: dict) -> None:
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+
+
+def _show(metrics: dict) -> str:
+    keys = ("reward_mean", "eval_reward", "eval_pass@1")
+    return ", ".join(f"{k} {metrics[k]:.3f}" for k in keys if k in metrics) or "no held-out prompts"
+
+
+def _save(tmp: Path, out: Path, params, model_dir, tok_dir: Path) -> None:
+    """params/ (Orbax), config.yaml and the tokenizer files: an `import hf`-shaped model directory."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((tmp / "params").absolute(), params)
+    cfg = model_dir.config
+    # the merged, full params: no adapters to apply, and training from here starts from them
+    train = cfg.train.model_copy(update={"finetune": None, "init_from": str((out / "params").absolute())})
+    header = f"# trained with shipyard rl from {model_dir.path}\n"
+    (tmp / "config.yaml").write_text(header + to_yaml(cfg.model_copy(update={"train": train})))
+    tok_dir = Path(tok_dir)
+    src = tok_dir if tok_dir.is_dir() else tok_dir.parent
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, tmp / name)

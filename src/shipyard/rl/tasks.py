@@ -1,0 +1,143 @@
+"""Verifiable tasks and rewards for RL: built-in tasks generated locally, each with an exact checker;
+a prompt file (JSONL); a user's reward function.
+
+A built-in task item is {"prompt": "12+345=", "answer": "357"}; the reply is right when its first
+line (up to a newline or the end) is the answer, with surrounding spaces ignored. Items are a pure
+function of (task, seed, index), so a resumed run, or the held-out set, draws the same ones.
+
+    add       a+b=           two numbers of 1..`digits` digits
+    multiply  a*b=           a number of 1..`digits` digits times one of 1..2
+    reverse   reverse abc=   letters reversed
+    sort      sort cab=      letters in order
+
+A user reward is `module:function` or `path/to/file.py:function`, called as function(prompt,
+completion, metadata) -> float. An exception it raises is reward 0 and a counted reason (its type),
+never a crashed run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import string
+import types
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from shipyard.errors import ConfigError, DataError
+
+TASKS = ("add", "multiply", "reverse", "sort")
+
+
+def task_item(task: str, seed: int, index: int, digits: int = 3) -> dict:
+    """Item `index` of built-in `task` for `seed`: {"prompt", "answer"}."""
+    rng = np.random.default_rng([seed, index, TASKS.index(task)])
+
+    def number(most: int) -> int:
+        n = int(rng.integers(1, most + 1))
+        return int(rng.integers(10 ** (n - 1) if n > 1 else 0, 10**n))
+
+    if task == "add":
+        a, b = number(digits), number(digits)
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+    if task == "multiply":
+        a, b = number(digits), number(2)
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+    letters = "".join(rng.choice(list(string.ascii_lowercase), size=int(rng.integers(2, 2 + digits))))
+    if task == "reverse":
+        return {"prompt": f"reverse {letters}=", "answer": letters[::-1]}
+    if task == "sort":
+        return {"prompt": f"sort {letters}=", "answer": "".join(sorted(letters))}
+    raise ConfigError(f"rl: task {task!r} is not a built-in task; choose one of {', '.join(TASKS)}")
+
+
+def first_line(completion: str) -> str:
+    """The reply's answer: its first line, spaces stripped."""
+    return completion.split("\n", 1)[0].strip()
+
+
+def exact_answer(prompt: str, completion: str, metadata: dict) -> float:
+    """The built-in tasks' checker: 1.0 when the reply's first line is metadata["answer"], else 0.0."""
+    return 1.0 if first_line(completion) == str(metadata["answer"]) else 0.0
+
+
+def load_reward(spec: str) -> Callable[[str, str, dict], float]:
+    """The user's reward function named by `spec` ("module:function" or "file.py:function"),
+    checked to take (prompt, completion, metadata); ConfigError in one line otherwise."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"rl: --reward {spec!r} must be module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"rl: --reward file {where} does not exist")
+            # compiled and run by hand: an import would leave a __pycache__ beside the user's file
+            module = types.ModuleType(f"shipyard_reward_{path.stem}")
+            module.__file__ = str(path)
+            exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import: say so in one line
+        raise ConfigError(f"rl: --reward {spec}: importing {where} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"rl: --reward {spec}: {where} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("prompt", "completion", {})
+    except TypeError:
+        raise ConfigError(
+            f"rl: --reward {spec}: {name}{inspect.signature(fn)} must take (prompt, completion, metadata)"
+        ) from None
+    return fn
+
+
+class Rewarder:
+    """Calls a reward function on replies; an exception or a non-number is reward 0, counted by reason."""
+
+    def __init__(self, fn: Callable[[str, str, dict], float]):
+        self.fn = fn
+        self.failures: Counter[str] = Counter()
+        """Replies whose reward call failed, by reason (the exception's type, or 'not a number')."""
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        try:
+            value = float(self.fn(prompt, completion, metadata))
+        except Exception as e:  # a user's function must not end the run: reward 0, counted
+            self.failures[type(e).__name__] += 1
+            return 0.0
+        if not np.isfinite(value):
+            self.failures["not a finite number"] += 1
+            return 0.0
+        return value
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    """Items of a JSONL prompt file: each line an object with "prompt" (a string) or "messages" (a
+    chat), and any fields the reward reads; DataError naming the line otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"rl: prompt file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"rl: {path}:{n}: not JSON ({e.msg}); each line must be one object") from None
+        if not isinstance(item, dict):
+            raise DataError(f"rl: {path}:{n}: a {type(item).__name__}, expected an object with 'prompt'")
+        chat = isinstance(item.get("messages"), list) and bool(item["messages"])
+        if not isinstance(item.get("prompt"), str) and not chat:
+            raise DataError(f"rl: {path}:{n}: needs 'prompt' (a string) or 'messages' (a non-empty list)")
+        items.append(item)
+    if not items:
+        raise DataError(f"rl: {path} holds no prompts")
+    return items

@@ -1,0 +1,170 @@
+"""`shipyard rl` (src/shipyard/rl/): rollouts from the serving engine are on-policy for the trainer by
+construction (the same sampling transform on both sides), a short run writes its metrics and a model
+directory, and the built-in tasks, prompt files and reward functions behave as documented."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serve_fixtures import trained_run
+
+from shipyard.cli.main import main
+from shipyard.config import build_rl_config
+from shipyard.errors import ConfigError, DataError
+from shipyard.rl import tasks
+
+WORDS = ["the", "a small", "we saw", "she went", "in the", "it is", "one day", "they", "there", "and then"]
+REWARD = (
+    "def score(prompt, completion, metadata):\n    return completion.count('e') / max(len(completion), 1)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return trained_run(tmp_path_factory.mktemp("rl"))
+
+
+@pytest.fixture(scope="module")
+def model(run_dir):
+    from shipyard.data.tokenizer import load_tokenizer
+    from shipyard.run.model_dir import open_model_dir
+
+    md = open_model_dir(run_dir, "test")
+    cfg, _, params = md.load()
+    return cfg.model, jax.tree.map(jnp.asarray, params), load_tokenizer(md.require_tokenizer("test"))
+
+
+def _rollout_vs_trainer(model, rl, sampling_logprobs: bool) -> float:
+    """The largest |rollout log-prob - trainer log-prob| over 4 prompts x 4 replies."""
+    from shipyard.inference.engine import Engine
+    from shipyard.rl.rollout import build_batch, sample_groups
+    from shipyard.rl.step import make_logps
+
+    cfg, params, tok = model
+    engine = Engine(params, cfg, max_batch=16, max_len=48, sampling_logprobs=sampling_logprobs)
+    items = [{"prompt": w} for w in WORDS[:4]]
+    prompts = [tuple(tok.encode(i["prompt"], add_special_tokens=False).ids) for i in items]
+    groups = sample_groups(
+        engine, items, prompts, rl=rl, replies=4, temperature=rl.temperature,
+        seeds=lambda i, g: 7 * i + g, stop_ids=(0,), decode=tok.decode, reward=lambda *_: 0.0,
+    )  # fmt: skip
+    batch = build_batch(groups, np.zeros((4, 4)), 16, 48, rl)
+    mask = batch["mask"] > 0
+    assert mask.sum() == 16 * rl.max_tokens  # every reply ran to max_tokens and is compared
+    trainer = np.asarray(make_logps(cfg, rl)(params, jnp.asarray(batch["tokens"])))
+    return float(np.abs(trainer[mask] - batch["old_logp"][mask]).max())
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.9, 20, 0.9), (0.7, 5, 1.0)])
+def test_rollout_log_probs_are_the_trainer_s_and_not_without_the_shared_transform(
+    model, temperature, top_k, top_p
+):
+    """Every reply token's log-prob from the engine equals the trainer's forward of the same tokens
+    (within 1e-5: two programs, fp32); the engine reporting its model's own log-probs instead (the
+    transform applied on one side only) is off by far more wherever the transform does anything."""
+    rl = build_rl_config(
+        ["max_tokens=12", f"temperature={temperature}", f"top_k={top_k}", f"top_p={top_p}", "overlong=keep"]
+    )
+    assert _rollout_vs_trainer(model, rl, sampling_logprobs=True) < 1e-5
+    if (temperature, top_k, top_p) != (1.0, 0, 1.0):
+        assert _rollout_vs_trainer(model, rl, sampling_logprobs=False) > 0.1
+
+
+def test_a_short_run_is_on_policy_at_each_batch_s_first_step_and_writes_a_model_dir(
+    run_dir, tmp_path, capsys
+):
+    """Three steps through the CLI with a prompt file and a user reward: each batch's first update
+    sees ratio 1 and KL(rollout || trainer) 0, the second does not (the policy moved); the metrics
+    have every documented field; OUT is a model directory `generate` runs."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS * 2))
+    (tmp_path / "reward.py").write_text(REWARD)
+    out = tmp_path / "out"
+    settings = [
+        f"prompts={prompts}", f"reward={tmp_path / 'reward.py'}:score", "task=null", "steps=3", "group_size=4",
+        "prompts_per_step=4", "max_tokens=8", "eval_prompts=4", "eval_every=2", "updates_per_batch=2",
+        "temperature=0.9", "top_k=20", "top_p=0.9", "overlong=keep", "lr=1e-3",
+    ]  # fmt: skip
+    assert main(["rl", str(run_dir), str(out), *settings]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert {"eval_reward", "eval_pass@1", "eval_pass@4"} <= set(lines[0]) and "eval_reward" in lines[2]
+    for m in lines[1:]:
+        assert abs(m["first_ratio_mean"] - 1) < 1e-5 and abs(m["first_ratio_max"] - 1) < 1e-5
+        assert abs(m["first_kl_rollout"]) < 1e-5
+        assert abs(m["ratio_mean"] - 1) > 1e-4  # the second update's policy is not the sampler
+        for key in ("reward_mean", "reward_min", "reward_max", "reply_tokens", "dropped_fraction",
+                    "clip_fraction", "kl_ref", "entropy", "loss", "grad_norm", "rollout_share"):  # fmt: skip
+            assert np.isfinite(m[key]), key
+        assert m["groups_trained"] >= 1 and 0 < m["rollout_share"] < 1
+    recorded = _yaml(out / "rl.yaml")
+    assert recorded["group_size"] == 4 and recorded["task"] is None and recorded["top_p"] == 0.9
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "the", "--max-new-tokens", "4"]) == 0
+
+
+def _yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_built_in_tasks_are_reproducible_and_checked_exactly():
+    for task in tasks.TASKS:
+        items = [tasks.task_item(task, 3, i, 2) for i in range(50)]
+        assert items == [tasks.task_item(task, 3, i, 2) for i in range(50)]
+        assert len({i["prompt"] for i in items}) > 25
+        for item in items:
+            assert tasks.exact_answer(item["prompt"], f" {item['answer']}\nmore", item) == 1.0
+            assert tasks.exact_answer(item["prompt"], item["answer"] + "0", item) == 0.0
+    add = tasks.task_item("add", 0, 0, 3)
+    a, b = add["prompt"].rstrip("=").split("+")
+    assert int(add["answer"]) == int(a) + int(b)
+    srt = tasks.task_item("sort", 0, 1, 3)
+    assert srt["answer"] == "".join(sorted(srt["prompt"].split()[1].rstrip("=")))
+
+
+def test_a_reward_that_raises_is_zero_and_counted(tmp_path):
+    (tmp_path / "r.py").write_text(
+        "def f(prompt, completion, metadata):\n    return 1 / len(completion) if completion != 'nan' else float('nan')\n"
+    )
+    reward = tasks.Rewarder(tasks.load_reward(f"{tmp_path / 'r.py'}:f"))
+    assert reward("p", "ab", {}) == 0.5 and reward("p", "", {}) == 0.0 and reward("p", "nan", {}) == 0.0
+    assert reward.failures == {"ZeroDivisionError": 1, "not a finite number": 1}
+    assert not (tmp_path / "__pycache__").exists()
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("def f(prompt, completion):\n    return 0\n", "must take (prompt, completion, metadata)"),
+        ("def g(prompt, completion, metadata):\n    return 0\n", "has no function 'f'"),
+        ("def f(:\n", "importing"),
+        (None, "does not exist"),
+    ],
+)
+def test_a_bad_reward_function_is_one_line(tmp_path, source, says):
+    if source is not None:
+        (tmp_path / "r.py").write_text(source)
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        tasks.load_reward(f"{tmp_path / 'r.py'}:f")
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"prompt": "a"}\n{oops\n', "p.jsonl:2: not JSON"),
+        ('{"prompt": "a"}\n[1]\n', "p.jsonl:2: a list"),
+        ('{"text": "a"}\n', "p.jsonl:1: needs 'prompt'"),
+        ("\n\n", "holds no prompts"),
+    ],
+)
+def test_a_bad_prompt_file_names_its_line(tmp_path, text, says):
+    (tmp_path / "p.jsonl").write_text(text)
+    with pytest.raises(DataError, match=says):
+        tasks.load_prompts(tmp_path / "p.jsonl")
