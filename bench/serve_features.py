@@ -19,8 +19,8 @@ The prefix cache (`--feature prefix`): the same model behind `--max-len 1024`, 1
 sending a shared 512-token system prompt followed by a 10..40-token question (`max_tokens` 16,
 `ignore_eos`), then the same load with a fresh random 512 tokens in front of each question (unique
 prompts, nothing to share). Each round starts a server with `--prefix-cache 0` and one with the
-default cache, warms each with 10 s of the shared load (the cache's shorter prefills compile on
-their first use), and measures both loads on each. Reported per round: requests/s and median time
+default cache, warms each with 10 s of the shared load (the prompt buckets' programs compile
+on their first use), and measures both loads on each. Reported per round: requests/s and median time
 to first token (shared prompts, cache on / off: targets >= 3x and <= 0.3x) and what unique prompts
 lose with the cache on (target < 3%); the median and range of `--repeat` rounds.
 
@@ -315,7 +315,7 @@ def measure_prefix(run_dir: Path, tmp: Path, first_id: int, seconds: float, repe
             extra = ("--max-len", str(PREFIX_MAX_LEN), *(("--prefix-cache", flag) if flag else ()))
             proc, url = bench.start_server(run_dir, tmp / f"prefix-{k}-{mode}.log", 8, None, False, extra)
             try:
-                prefix_load(url, 10, first_id, shared=True)  # warm-up: the shorter prefills compile
+                prefix_load(url, 10, first_id, shared=True)  # warm-up: the buckets' prefills compile
                 before = _scrape(url)
                 shared = prefix_load(url, seconds, first_id, shared=True)
                 after = _scrape(url)

@@ -168,3 +168,57 @@ def test_a_bad_prompt_file_names_its_line(tmp_path, text, says):
     (tmp_path / "p.jsonl").write_text(text)
     with pytest.raises(DataError, match=says):
         tasks.load_prompts(tmp_path / "p.jsonl")
+
+
+TIMING = ("rollout_seconds", "train_seconds", "rollout_share")
+
+
+def _lines(out: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING}
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_run_stopped_after_a_saved_state_resumes_bitwise(run_dir, tmp_path, monkeypatch):
+    """A run that dies at step 3 (its state saved at step 2) and is started again with the same
+    command ends with the metrics and params of a run that never stopped; other settings are refused."""
+    import orbax.checkpoint as ocp
+
+    from shipyard.rl import loop
+    from shipyard.rl.loop import run_rl
+
+    rl = build_rl_config(
+        ["task=add", "steps=4", "save_every=2", "group_size=4", "prompts_per_step=2", "max_tokens=6",
+         "eval_prompts=2", "eval_every=2", "overlong=keep", "dynamic_sampling=false", "lr=1e-3", "top_k=30"]
+    )  # fmt: skip
+    run_rl(str(run_dir), tmp_path / "whole", rl, say=lambda m: None)
+
+    real = loop._step_metrics
+
+    def dies_at_3(step, *args):
+        if step == 3:
+            raise KeyboardInterrupt  # (as a kill would: after state/2 is complete)
+        return real(step, *args)
+
+    monkeypatch.setattr(loop, "_step_metrics", dies_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(str(run_dir), tmp_path / "cut", rl, say=lambda m: None)
+    assert (
+        not (tmp_path / "cut" / "config.yaml").exists() and (tmp_path / "cut" / "state" / "2.json").exists()
+    )
+    monkeypatch.setattr(loop, "_step_metrics", real)
+    with pytest.raises(ConfigError, match="other settings: lr=0.001"):
+        run_rl(str(run_dir), tmp_path / "cut", rl.model_copy(update={"lr": 1e-4}), say=lambda m: None)
+    said = []
+    run_rl(str(run_dir), tmp_path / "cut", rl, say=said.append)
+    assert any("resuming" in s and "after step 2" in s for s in said)
+    assert _lines(tmp_path / "cut") == _lines(tmp_path / "whole")
+    with ocp.StandardCheckpointer() as ckpt:
+        a = ckpt.restore((tmp_path / "whole" / "params").absolute())
+        b = ckpt.restore((tmp_path / "cut" / "params").absolute())
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    from shipyard.output import OutputExists
+
+    with pytest.raises(OutputExists, match="a finished rl run"):
+        run_rl(str(run_dir), tmp_path / "cut", rl, say=lambda m: None)

@@ -784,6 +784,8 @@ class RLConfig(Schema):
     """k of pass@k: a held-out prompt passes when any of k sampled replies is right (reward >= 1)."""
     max_batch: int = Field(64, gt=0)
     """Cache rows of the rollout engine (replies decoded at once)."""
+    save_every: int = Field(10, gt=0)
+    """Steps between saved states (OUT/state/: params and optimizer state, the last 2 kept); rerunning the same command resumes from the newest, bitwise."""
     seed: int = 0
     """Seed of the prompts drawn, the replies sampled and the held-out set; a resumed run draws the same."""
 

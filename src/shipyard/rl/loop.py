@@ -8,11 +8,12 @@ params as a model directory every other command reads.
         advantages per group; `updates_per_batch` optimizer steps on the batch (rl/step.py)
         the engine takes the new weights in place (`Engine.swap`: same shapes, nothing recompiles)
 
-The output directory holds config.yaml, the tokenizer files and params/ (Orbax), as `import hf`
-writes them, so `generate`, `chat`, `serve`, `eval` and `train.init_from` take it as it is; and
-metrics.jsonl (a line per step: rewards, lengths, dropped groups, clip fraction, KL, entropy, the
-importance ratio at each batch's first step, rollout and training seconds; held-out reward, pass@1
-and pass@k where evaluated) and rl.yaml (the resolved RLConfig).
+OUT holds rl.yaml (the resolved RLConfig) and metrics.jsonl from the start (a line per step:
+rewards, lengths, dropped groups, clip fraction, KL, entropy, the importance ratio at each batch's
+first step, rollout and training seconds; held-out reward, pass@1 and pass@k where evaluated), and
+state/ every `save_every` steps (rl/resume.py: the same command resumes a killed run). At the end
+it gets params/ (Orbax), the tokenizer files and config.yaml, last: then it is a model directory
+as `import hf` writes them, which `generate`, `chat`, `serve`, `eval` and `train.init_from` take.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import yaml
 from shipyard.config import RLConfig, to_yaml
 from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
-from shipyard.output import atomic_dir, progress, refuse_existing
-from shipyard.rl import tasks
+from shipyard.output import progress, write_atomic
+from shipyard.rl import resume, tasks
 from shipyard.rl.loss import group_advantages
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
 from shipyard.rl.step import build_optimizer, make_update
@@ -103,7 +104,7 @@ def run_rl(
     from shipyard.run.model_dir import open_model_dir
 
     out = Path(out)
-    refuse_existing(out, "rl")
+    resuming = resume.resumable(out, rl)  # (before anything slow: a mistyped OUT is one line)
     model_dir = open_model_dir(model, "rl", tokenizer)
     tok_dir = model_dir.require_tokenizer("rl")
     tok = load_tokenizer(tok_dir)
@@ -178,14 +179,23 @@ def run_rl(
             f"eval_pass@{rl.pass_k}": pass_at(sampled),
         }
 
-    with atomic_dir(out, "rl") as tmp:
-        (tmp / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
-        log = (tmp / "metrics.jsonl").open("w")
-        first_eval = evaluate(0)
-        _write(log, {"step": 0, **first_eval})
-        say(f"rl: held-out before training: {_show(first_eval)}")
-        last: dict = {}
-        bar = progress(range(1, rl.steps + 1), desc="rl", unit="step")
+    start = 0
+    if resuming and resume.complete_steps(out):
+        start = resume.complete_steps(out)[0]
+        params, opt_state, source.next = resume.restore(out, start, params, opt_state)
+        engine.swap(params)
+        say(f"rl: resuming {out} after step {start}")
+    if not resuming:
+        out.mkdir(parents=True)
+        (out / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
+    resume.cut_metrics(out / "metrics.jsonl", start)
+    last: dict = {}
+    with (out / "metrics.jsonl").open("a") as log:
+        if start == 0:
+            first_eval = evaluate(0)
+            _write(log, {"step": 0, **first_eval})
+            say(f"rl: held-out before training: {_show(first_eval)}")
+        bar = progress(range(start + 1, rl.steps + 1), desc="rl", unit="step", initial=start, total=rl.steps)
         for step in bar:
             t0 = time.perf_counter()
             groups, sampled, refills = _draw(rl, source, step, groups_of)
@@ -207,32 +217,38 @@ def run_rl(
                     metrics.update({k: float(v) for k, v in m.items()})
                 engine.swap(params)
             train_s = time.perf_counter() - t1
-            every = [r for g in sampled for r in g.replies]
-            values = np.array([r.reward for r in every])
-            last = {
-                "step": step,
-                "reward_mean": float(values.mean()),
-                "reward_min": float(values.min()),
-                "reward_max": float(values.max()),
-                "reply_tokens": float(np.mean([len(r.tokens) for r in every])),
-                "overlong_fraction": float(np.mean([r.overlong for r in every])),
-                "groups_trained": len(groups),
-                "dropped_fraction": 1.0 - len(groups) / max(len(sampled), 1),
-                "refills": refills,
-                **metrics,
-                "rollout_seconds": rollout_s,
-                "train_seconds": train_s,
-                "rollout_share": rollout_s / max(rollout_s + train_s, 1e-9),
-                "reward_failures": dict(reward.failures),
-            }
+            last = _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward)
             if step % rl.eval_every == 0 or step == rl.steps:
                 last.update(evaluate(step))
             _write(log, last)
+            if step % rl.save_every == 0 or step == rl.steps:
+                resume.save(out, step, params, opt_state, source.next)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
-        log.close()
-        _save(tmp, out, params, model_dir, tok_dir)
+    _save(out, params, model_dir, tok_dir)
     say(f"rl: wrote {out} (step {rl.steps}: {_show(last)})")
     return last
+
+
+def _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward) -> dict:
+    """A step's metrics line (the rewards of every reply sampled, the updates' `metrics`)."""
+    every = [r for g in sampled for r in g.replies]
+    values = np.array([r.reward for r in every])
+    return {
+        "step": step,
+        "reward_mean": float(values.mean()),
+        "reward_min": float(values.min()),
+        "reward_max": float(values.max()),
+        "reply_tokens": float(np.mean([len(r.tokens) for r in every])),
+        "overlong_fraction": float(np.mean([r.overlong for r in every])),
+        "groups_trained": len(groups),
+        "dropped_fraction": 1.0 - len(groups) / max(len(sampled), 1),
+        "refills": refills,
+        **metrics,
+        "rollout_seconds": rollout_s,
+        "train_seconds": train_s,
+        "rollout_share": rollout_s / max(rollout_s + train_s, 1e-9),
+        "reward_failures": dict(reward.failures),
+    }
 
 
 def _draw(rl: RLConfig, source: PromptSource, step: int, groups_of: Callable) -> tuple[list, list, int]:
@@ -261,19 +277,21 @@ def _show(metrics: dict) -> str:
     return ", ".join(f"{k} {metrics[k]:.3f}" for k in keys if k in metrics) or "no held-out prompts"
 
 
-def _save(tmp: Path, out: Path, params, model_dir, tok_dir: Path) -> None:
-    """params/ (Orbax), config.yaml and the tokenizer files: an `import hf`-shaped model directory."""
+def _save(out: Path, params, model_dir, tok_dir: Path) -> None:
+    """params/ (Orbax), the tokenizer files, then config.yaml, last and atomically: OUT becomes an
+    `import hf`-shaped model directory only once everything else is in place."""
     import orbax.checkpoint as ocp
 
+    shutil.rmtree(out / "params", ignore_errors=True)  # a killed run's partial copy
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save((tmp / "params").absolute(), params)
-    cfg = model_dir.config
-    # the merged, full params: no adapters to apply, and training from here starts from them
-    train = cfg.train.model_copy(update={"finetune": None, "init_from": str((out / "params").absolute())})
-    header = f"# trained with shipyard rl from {model_dir.path}\n"
-    (tmp / "config.yaml").write_text(header + to_yaml(cfg.model_copy(update={"train": train})))
+        ckpt.save((out / "params").absolute(), params)
     tok_dir = Path(tok_dir)
     src = tok_dir if tok_dir.is_dir() else tok_dir.parent
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copy(src / name, tmp / name)
+            shutil.copy(src / name, out / name)
+    cfg = model_dir.config
+    # the merged, full params: no adapters to apply, and training from here starts from them
+    train = cfg.train.model_copy(update={"finetune": None, "init_from": str((out / "params").absolute())})
+    header = f"# trained with shipyard rl from {model_dir.path}\n"
+    write_atomic(out / "config.yaml", header + to_yaml(cfg.model_copy(update={"train": train})))
