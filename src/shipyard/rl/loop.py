@@ -35,6 +35,7 @@ from shipyard.inference.engine import Engine
 from shipyard.output import progress, write_atomic
 from shipyard.rl import resume, tasks
 from shipyard.rl.loss import group_advantages
+from shipyard.rl.report import write_rl_report
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
 from shipyard.rl.step import build_optimizer, make_update
 
@@ -224,8 +225,9 @@ def run_rl(
             if step % rl.save_every == 0 or step == rl.steps:
                 resume.save(out, step, params, opt_state, source.next)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
+    write_rl_report(out)
     _save(out, params, model_dir, tok_dir)
-    say(f"rl: wrote {out} (step {rl.steps}: {_show(last)})")
+    say(f"rl: wrote {out} (step {rl.steps}: {_show(last)}; report.md, plots/rl.png)")
     return last
 
 
