@@ -115,7 +115,7 @@ def _yaml(path: Path) -> dict:
 
 
 def test_built_in_tasks_are_reproducible_and_checked_exactly():
-    for task in tasks.TASKS:
+    for task in (t for t in tasks.TASKS if t != "code"):
         items = [tasks.task_item(task, 3, i, 2) for i in range(50)]
         assert items == [tasks.task_item(task, 3, i, 2) for i in range(50)]
         assert len({i["prompt"] for i in items}) > 25
@@ -162,6 +162,7 @@ def test_a_bad_reward_function_is_one_line(tmp_path, source, says):
         ('{"prompt": "a"}\n[1]\n', "p.jsonl:2: a list"),
         ('{"text": "a"}\n', "p.jsonl:1: needs 'prompt'"),
         ("\n\n", "holds no prompts"),
+        ('{"messages": [{"role": "user"}]}\n', "p.jsonl:1: each message needs a string 'role' and 'content'"),
     ],
 )
 def test_a_bad_prompt_file_names_its_line(tmp_path, text, says):
@@ -222,3 +223,42 @@ def test_a_run_stopped_after_a_saved_state_resumes_bitwise(run_dir, tmp_path, mo
 
     with pytest.raises(OutputExists, match="a finished rl run"):
         run_rl(str(run_dir), tmp_path / "cut", rl, say=lambda m: None)
+
+
+def test_chat_prompts_are_rendered_with_the_model_s_template_and_end_at_its_end_of_turn(run_dir, tmp_path):
+    """A prompt file of chats: each is the model's own chat prompt (generation header included), its
+    replies stop at the template's end-of-turn token, and the reward sees the last message."""
+    from shipyard.rl.loop import run_rl
+
+    chats = [{"messages": [{"role": "user", "content": w}], "want": w} for w in WORDS]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (tmp_path / "r.py").write_text(
+        "def f(prompt, completion, metadata):\n    assert prompt == metadata['want']\n    return len(completion) % 3\n"
+    )
+    settings = [f"prompts={tmp_path / 'p.jsonl'}", f"reward={tmp_path / 'r.py'}:f", "task=null", "steps=2",
+                "group_size=4", "prompts_per_step=2", "max_tokens=6", "eval_prompts=2", "overlong=keep"]  # fmt: skip
+    last = run_rl(str(run_dir), tmp_path / "out", build_rl_config(settings), say=lambda m: None)
+    assert last["reward_failures"] == {}  # the reward saw each chat's last message as the prompt
+
+
+def test_the_code_task_runs_replies_in_a_sandbox_with_limits_and_no_network():
+    """An equivalent expression passes, a wrong one does not; a reply that loops or eats memory is
+    killed and counted by reason; the network is unreachable from the child."""
+    from shipyard.rl import sandbox
+
+    item = tasks.task_item("code", 0, 4, 2)
+    a, b = item["tests"][1][1] - item["tests"][0][1], item["tests"][0][1]
+    reward = tasks.Rewarder(tasks.checker("code"))
+    assert reward(item["prompt"], f"{b} + {a} * x\nmore", item) == 1.0
+    assert reward(item["prompt"], f"{b} + {a + 1} * x", item) == 0.0
+    assert reward(item["prompt"], "(", item) == 0.0  # a syntax error is a wrong answer
+    assert reward(item["prompt"], "sum(1 for _ in iter(int, 1))", item) == 0.0  # runs forever
+    assert reward(item["prompt"], "bytearray(10**9)", item) == 0.0
+    assert reward.failures == {"SandboxTimeout": 1, "SandboxMemory": 1}
+    probe = "import _socket\ntry:\n    _socket.socket().connect(('1.1.1.1', 80))\nexcept OSError as e:\n    print('refused', e)\n"
+    if sandbox.isolated():  # a namespace without network (the `socket` guard alone can be bypassed)
+        assert sandbox.run_python(probe).stdout.startswith("refused")
+    out = sandbox.run_python(
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80))\nexcept OSError as e:\n    print(e)\n"
+    )
+    assert "no network in the sandbox" in out.stdout

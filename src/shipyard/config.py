@@ -728,7 +728,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 class RLConfig(Schema):
     """`shipyard rl`: reinforcement learning from verifiable rewards (GRPO / Dr. GRPO / DAPO, rl/loss.py), rollouts from the serving engine."""
 
-    task: Literal["add", "multiply", "reverse", "sort"] | None = "add"
+    task: Literal["add", "multiply", "reverse", "sort", "code"] | None = "add"
     """A built-in task generated locally with an exact checker (rl/tasks.py); null with `prompts`."""
     digits: int = Field(2, ge=1, le=9)
     """The built-in task's size: numbers of up to this many digits (letters: up to this many + 1)."""
@@ -784,6 +784,8 @@ class RLConfig(Schema):
     """k of pass@k: a held-out prompt passes when any of k sampled replies is right (reward >= 1)."""
     max_batch: int = Field(64, gt=0)
     """Cache rows of the rollout engine (replies decoded at once)."""
+    shared_prefill: bool = True
+    """The G replies of a prompt share one prefill (the engine's n-samples path); false prefills each alone (bench/rl_throughput.py measures the difference)."""
     save_every: int = Field(10, gt=0)
     """Steps between saved states (OUT/state/: params and optimizer state, the last 2 kept); rerunning the same command resumes from the newest, bitwise."""
     seed: int = 0

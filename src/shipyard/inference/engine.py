@@ -409,7 +409,8 @@ def _admit(
     # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
     scratch = init_cache(cfg, m, S, kv_dtype)
     first = jnp.int32(0)
-    cached = store is not None and piece == chunk
+    pieces = S // piece
+    cached = store is not None and pieces > 1  # (a prompt of one piece neither reads nor fills the store)
     if cached:
         scratch = recall(store, scratch, hit_ids, hit_count)
         first = hit_count
@@ -424,8 +425,12 @@ def _admit(
         out, scratch = forward_cached(params, part, scratch, at, zero, cfg, logits_at=end)
         return scratch, jnp.where((j == last)[:, None], out[:, 0], logits)
 
-    logits = jnp.zeros((m, params.embed.shape[0]), jnp.float32)  # (the engine refuses an int8 embedding)
-    scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
+    if pieces == 1:  # no loop: a loop of one trip compiled slower (start-up: bench/serve_startup.py)
+        out, scratch = forward_cached(params, tokens, scratch, 0, zero, cfg, logits_at=lengths - 1)
+        logits = out[:, 0]
+    else:
+        logits = jnp.zeros((m, params.embed.shape[0]), jnp.float32)  # (the engine refuses an int8 embedding)
+        scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
     if cached:
         store = keep(store, scratch, put)
     # the decode row's layout: prompt i at slots start[i]..P-1 (the slots before it zero, masked)
@@ -494,6 +499,7 @@ class Engine:
         speculate: int = 0,
         draft=None,
         sampling_logprobs: bool = False,
+        share_prefill: bool = True,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -519,6 +525,9 @@ class Engine:
                 "requests, and whether a call speculates depends on them; use one of them"
             )
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
+        self.share_prefill = share_prefill
+        """Requests admitted together with the same prompt (n samples, RL's group) share one prefill
+        row; False prefills each on its own (what sharing saves: bench/rl_throughput.py)."""
         self.sampling_logprobs = sampling_logprobs
         """Requests that ask for log-probs get those of the distribution each token was drawn from
         (temperature, top-k, top-p applied: `sampling.sampling_logits`) instead of the model's own:
@@ -1188,7 +1197,8 @@ class Engine:
         P, admit = self._bucket(requests[0]), self._admit
         if self._lazy and self._thread is not None:
             P, admit = self._compiled_admit(P, requests)
-        prompts = list(dict.fromkeys(tuple(r.prompt) for r in requests))
+        prompts = [tuple(r.prompt) for r in requests]
+        prompts = list(dict.fromkeys(prompts)) if self.share_prefill else prompts
         m = 1 << (len(prompts) - 1).bit_length()
         # a started engine uses the one target count `compile` prepared; generate's batches their own
         n = self.max_batch if self._thread is not None else 1 << (len(requests) - 1).bit_length()
@@ -1205,7 +1215,7 @@ class Engine:
         row = {p: i for i, p in enumerate(prompts)}
         for i, (r, slot) in enumerate(zip(requests, free)):
             s = r.sampling
-            src[i], slots[i] = row[tuple(r.prompt)], slot
+            src[i], slots[i] = (row[tuple(r.prompt)] if self.share_prefill else i), slot
             temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
         settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys)
@@ -1214,7 +1224,7 @@ class Engine:
         )
         constrained = any(r.constraint is not None for r in requests)
         piece, span = prefill_grid(P, self.prefill_chunk)
-        cached = self.prefix is not None and m == 1 and piece == self.prefill_chunk
+        cached = self.prefix is not None and m == 1 and span > piece
         reuse = self.prefix.plan(list(prompts[0]), span // piece) if cached else None
         args = [
             self.params,
@@ -1253,7 +1263,7 @@ class Engine:
         if self._store is None:
             return ()
         piece, span = prefill_grid(P, self.prefill_chunk)
-        n = span // piece if piece == self.prefill_chunk else 1
+        n = span // piece if span > piece else 1
         if reuse is None:
             return self._store, np.zeros(n, np.int32), np.int32(0), np.full(n, self.prefix.blocks, np.int32)
         return self._store, *reuse.arrays(n, self.prefix.blocks)

@@ -57,7 +57,7 @@ class PromptSource:
         while len(out) < n:
             item = self._item(self.next)
             self.next += 1
-            if item["prompt"] not in self.held_out:
+            if tasks.prompt_key(item) not in self.held_out:
                 out.append(item)
         return out
 
@@ -112,25 +112,28 @@ def run_rl(
     eos = special_token_ids(tok_dir, tok)["eos_token"]
     if rl.prompts is not None:
         file_items = tasks.load_prompts(rl.prompts)
-        if any("prompt" not in item for item in file_items):
-            raise DataError(
-                f"rl: {rl.prompts}: chat prompts ('messages') are not supported yet; give 'prompt'"
-            )
         reward = tasks.Rewarder(tasks.load_reward(rl.reward))
     else:
-        file_items, reward = None, tasks.Rewarder(tasks.exact_answer)
+        file_items, reward = None, tasks.Rewarder(tasks.checker(rl.task))
     held_out = _held_out(rl, file_items)
-    source = PromptSource(rl, file_items, {item["prompt"] for item in held_out})
+    source = PromptSource(rl, file_items, {tasks.prompt_key(item) for item in held_out})
 
-    def encode(text: str) -> tuple[int, ...]:
-        return tuple(tok.encode(text, add_special_tokens=False).ids) or (eos,)
+    chat = None
+    if file_items is not None and any("prompt" not in item for item in file_items):
+        chat = model_dir.chat_format(what="rl")  # chats are rendered with the model's own template
+    stop_ids = (eos,) if chat is None else tuple(dict.fromkeys((*chat.end_ids, eos)))
+
+    def encode(item: dict) -> tuple[int, ...]:
+        if "prompt" not in item:
+            return tuple(chat.prompt(item["messages"]))
+        return tuple(tok.encode(item["prompt"], add_special_tokens=False).ids) or (eos,)
 
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=False)
 
     cfg, _, params = model_dir.load(checkpoint, what="rl")
     params = jax.tree.map(jnp.asarray, params)
-    longest = max(len(encode(item["prompt"])) for item in [*held_out, *source.take(256)])
+    longest = max(len(encode(item)) for item in [*held_out, *source.take(256)])
     source.next = 0
     length = -(-(longest + rl.max_tokens + 8) // 16) * 16  # prompt + reply, headroom for longer prompts
     if length > cfg.model.max_seq_len:
@@ -138,7 +141,14 @@ def run_rl(
             f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "
             f"{cfg.model.max_seq_len}; lower max_tokens"
         )
-    engine = Engine(params, cfg.model, max_batch=rl.max_batch, max_len=length, sampling_logprobs=True)
+    engine = Engine(
+        params,
+        cfg.model,
+        max_batch=rl.max_batch,
+        max_len=length,
+        sampling_logprobs=True,
+        share_prefill=rl.shared_prefill,
+    )
     optimizer = build_optimizer(rl)
     opt_state = optimizer.init(params)
     update = make_update(cfg.model, rl, optimizer)
@@ -148,10 +158,10 @@ def run_rl(
     def groups_of(items, step: int, replies: int, temperature: float, salt: int = 0) -> list[Group]:
         prompts = []
         for item in items:
-            ids = encode(item["prompt"])
+            ids = encode(item)
             if len(ids) + rl.max_tokens > length:
                 raise DataError(
-                    f"rl: the prompt {item['prompt'][:40]!r} is {len(ids)} tokens: longer than the "
+                    f"rl: the prompt {tasks.prompt_text(item)[:40]!r} is {len(ids)} tokens: longer than the "
                     f"{length - rl.max_tokens} the run sized its engine for (prompts of up to {longest} seen)"
                 )
             prompts.append(ids)
@@ -163,7 +173,7 @@ def run_rl(
             replies=replies,
             temperature=temperature,
             seeds=lambda i, g: reply_seed(rl.seed + salt, step, i, g),
-            stop_ids=(eos,),
+            stop_ids=stop_ids,
             decode=decode,
             reward=reward,
         )

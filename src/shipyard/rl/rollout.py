@@ -18,6 +18,7 @@ import numpy as np
 from shipyard.config import RLConfig
 from shipyard.inference.engine import Engine
 from shipyard.inference.sampling import Sampling
+from shipyard.rl.tasks import prompt_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def sample_groups(
             ended = bool(c.tokens) and c.tokens[-1] in stop_ids
             text = decode(list(c.tokens[:-1] if ended else c.tokens))
             overlong = not ended and len(c.tokens) >= rl.max_tokens
-            value = reward(item["prompt"], text, item)
+            value = reward(prompt_text(item), text, item)
             if overlong and rl.overlong == "penalty":
                 value += rl.overlong_penalty
             out.append(Reply(tuple(c.tokens), tuple(c.logprobs or ()), text, overlong, value))

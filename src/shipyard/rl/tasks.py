@@ -9,6 +9,7 @@ function of (task, seed, index), so a resumed run, or the held-out set, draws th
     multiply  a*b=           a number of 1..`digits` digits times one of 1..2
     reverse   reverse abc=   letters reversed
     sort      sort cab=      letters in order
+    code      a Python expression for f(x) = a x + b described in words, run in a sandbox on 5 inputs
 
 A user reward is `module:function` or `path/to/file.py:function`, called as function(prompt,
 completion, metadata) -> float. An exception it raises is reward 0 and a counted reason (its type),
@@ -30,7 +31,7 @@ import numpy as np
 
 from shipyard.errors import ConfigError, DataError
 
-TASKS = ("add", "multiply", "reverse", "sort")
+TASKS = ("add", "multiply", "reverse", "sort", "code")
 
 
 def task_item(task: str, seed: int, index: int, digits: int = 3) -> dict:
@@ -52,6 +53,11 @@ def task_item(task: str, seed: int, index: int, digits: int = 3) -> dict:
         return {"prompt": f"reverse {letters}=", "answer": letters[::-1]}
     if task == "sort":
         return {"prompt": f"sort {letters}=", "answer": "".join(sorted(letters))}
+    if task == "code":
+        a, b = int(rng.integers(1, digits + 4)), int(rng.integers(0, 10))
+        prompt = f"# f(x) returns x times {a} plus {b}\ndef f(x):\n    return "
+        tests = [[x, a * x + b] for x in (0, 1, 2, 7, -3)]
+        return {"prompt": prompt, "answer": f"x * {a} + {b}", "tests": tests}
     raise ConfigError(f"rl: task {task!r} is not a built-in task; choose one of {', '.join(TASKS)}")
 
 
@@ -63,6 +69,24 @@ def first_line(completion: str) -> str:
 def exact_answer(prompt: str, completion: str, metadata: dict) -> float:
     """The built-in tasks' checker: 1.0 when the reply's first line is metadata["answer"], else 0.0."""
     return 1.0 if first_line(completion) == str(metadata["answer"]) else 0.0
+
+
+def code_answer(prompt: str, completion: str, metadata: dict) -> float:
+    """The code task's checker: the reply's first line as the body of `return` in `def f(x)`, run in
+    the sandbox (rl/sandbox.py) on metadata["tests"]; 1.0 when every test passes. A reply that runs
+    past the time or memory limit raises (the Rewarder counts it by reason)."""
+    from shipyard.rl.sandbox import run_python
+
+    source = (
+        f"def f(x):\n    return {first_line(completion)}\n"
+        f"print(all(f(a) == b for a, b in {metadata['tests']!r}))\n"
+    )
+    return 1.0 if run_python(source).stdout.strip() == "True" else 0.0
+
+
+def checker(task: str) -> Callable[[str, str, dict], float]:
+    """The reward function of built-in `task`."""
+    return code_answer if task == "code" else exact_answer
 
 
 def load_reward(spec: str) -> Callable[[str, str, dict], float]:
@@ -118,6 +142,18 @@ class Rewarder:
         return value
 
 
+def prompt_text(item: dict) -> str:
+    """What a reward function gets as the prompt: the item's "prompt", or its chat's last message."""
+    if "prompt" in item:
+        return item["prompt"]
+    return str(item["messages"][-1].get("content", ""))
+
+
+def prompt_key(item: dict) -> str:
+    """The identity of an item's prompt (held-out prompts are never trained on)."""
+    return item["prompt"] if "prompt" in item else json.dumps(item["messages"], sort_keys=True)
+
+
 def load_prompts(path: str | Path) -> list[dict]:
     """Items of a JSONL prompt file: each line an object with "prompt" (a string) or "messages" (a
     chat), and any fields the reward reads; DataError naming the line otherwise."""
@@ -137,6 +173,11 @@ def load_prompts(path: str | Path) -> list[dict]:
         chat = isinstance(item.get("messages"), list) and bool(item["messages"])
         if not isinstance(item.get("prompt"), str) and not chat:
             raise DataError(f"rl: {path}:{n}: needs 'prompt' (a string) or 'messages' (a non-empty list)")
+        if chat and not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in item["messages"]
+        ):
+            raise DataError(f"rl: {path}:{n}: each message needs a string 'role' and 'content'")
         items.append(item)
     if not items:
         raise DataError(f"rl: {path} holds no prompts")

@@ -1,0 +1,105 @@
+"""`shipyard rl`'s rollout speed and where a step's time goes, with the G replies of a prompt sharing
+one prefill (the default) and with each reply prefilled alone (`shared_prefill=false`).
+
+The model is bench/serve_throughput.py's (the `small` preset's shape, random weights, its 8,192-token
+BPE tokenizer). Each round runs `steps` RL steps per mode on the same prompt file: 4 prompts of
+about 200 tokens of pseudo-word prose a step, 8 replies each of up to `max_tokens` 32 (temperature 1;
+a random model's reply rarely ends early), a reward that reads the reply's length (a user reward
+function), one update per batch. Step 1 compiles and is left out. Reported per mode: rollout
+tokens/s (reply tokens / rollout seconds), the rollout's share of step time, seconds per step; per
+round the ratio shared / alone; the median and range over `--repeat` rounds.
+
+    .venv/bin/python bench/rl_throughput.py [--steps 5] [--repeat 3] [--out bench/results/rl_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_throughput import synthetic_text, write_run, write_tokenizer  # noqa: E402
+
+from shipyard.config import build_rl_config  # noqa: E402
+from shipyard.rl.loop import run_rl  # noqa: E402
+
+REWARD = "def score(prompt, completion, metadata):\n    return len(completion) / 100.0\n"
+
+
+def measure(run_dir: Path, tmp: Path, prompts: Path, steps: int, shared: bool, tag: str) -> dict:
+    settings = [
+        "task=null", f"prompts={prompts}", f"reward={tmp / 'reward.py'}:score", f"steps={steps}",
+        "group_size=8", "prompts_per_step=4", "max_tokens=32", "eval_prompts=0", "overlong=keep",
+        "dynamic_sampling=false", f"shared_prefill={str(shared).lower()}", f"save_every={steps}",
+    ]  # fmt: skip
+    out = tmp / f"rl-{tag}"
+    run_rl(str(run_dir), out, build_rl_config(settings), say=lambda m: None)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][2:]  # past step 1
+    tokens = [r["reply_tokens"] * 32 for r in rows]  # 4 prompts x 8 replies
+    rollout = [r["rollout_seconds"] for r in rows]
+    total = [r["rollout_seconds"] + r["train_seconds"] for r in rows]
+    return {
+        "rollout_tokens_per_s": sum(tokens) / sum(rollout),
+        "rollout_share": sum(rollout) / sum(total),
+        "seconds_per_step": sum(total) / len(rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="shipyard-rlbench-") as name:
+        tmp = Path(name)
+        run_dir = tmp / "run"
+        n_special = write_tokenizer(run_dir / "tokenizer", tmp)
+        write_run(run_dir, n_special)
+        (tmp / "reward.py").write_text(REWARD)
+        text = [
+            json.loads(line)["text"]
+            for line in synthetic_text(tmp / "text.jsonl", docs=40).read_text().splitlines()
+        ]
+        prompts = tmp / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:150])}) + "\n" for t in text))
+        for k in range(args.repeat):
+            shared = measure(run_dir, tmp, prompts, args.steps, True, f"shared-{k}")
+            alone = measure(run_dir, tmp, prompts, args.steps, False, f"alone-{k}")
+            rounds.append({
+                "shared": shared,
+                "alone": alone,
+                "rollout_speedup": shared["rollout_tokens_per_s"] / alone["rollout_tokens_per_s"],
+            })  # fmt: skip
+            print(f"round {k + 1}: {rounds[-1]}", file=sys.stderr)
+
+    def summary(get) -> dict:
+        values = [get(r) for r in rounds]
+        return {
+            "median": round(statistics.median(values), 4),
+            "range": [round(min(values), 4), round(max(values), 4)],
+        }
+
+    result = {
+        "shared_rollout_tokens_per_s": summary(lambda r: r["shared"]["rollout_tokens_per_s"]),
+        "alone_rollout_tokens_per_s": summary(lambda r: r["alone"]["rollout_tokens_per_s"]),
+        "rollout_speedup": summary(lambda r: r["rollout_speedup"]),
+        "shared_rollout_share": summary(lambda r: r["shared"]["rollout_share"]),
+        "alone_rollout_share": summary(lambda r: r["alone"]["rollout_share"]),
+        "rounds": rounds,
+        "config": {"steps": args.steps, "repeat": args.repeat, "prompts_per_step": 4, "group_size": 8,
+                   "max_tokens": 32, "prompt_words": 150},
+    }  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
