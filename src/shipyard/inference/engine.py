@@ -358,6 +358,43 @@ def _steps(
     return out, rows, caches
 
 
+def _prefill_pieces(params, tokens, start, store, hit_ids, hit_count, put, piece: int, S: int, cfg, kv_dtype):
+    """`_admit`'s prefill of prompts longer than a piece: left-aligned (tokens [m, P], zeros after), in
+    pieces of `piece` tokens over an S-slot scratch cache, then moved to the decode row's layout
+    (left-padded to P). With a store, pieces [0, hit_count) come from its blocks `hit_ids` and piece
+    j is kept in block put[j]. Returns (the last prompt tokens' logits [m, vocab], cache, store)."""
+    m, P = tokens.shape
+    lengths = P - start
+    tokens = jnp.pad(tokens, ((0, 0), (0, S - P)))
+    scratch = init_cache(cfg, m, S, kv_dtype)
+    first = jnp.int32(0)
+    if store is not None:
+        scratch = recall(store, scratch, hit_ids, hit_count)
+        first = hit_count
+    last = (lengths - 1) // piece  # the piece holding each prompt's last token
+    zero = jnp.zeros(m, jnp.int32)
+
+    def step(j, carry):
+        scratch, logits = carry
+        at = j * piece
+        part = jax.lax.dynamic_slice_in_dim(tokens, at, piece, axis=1)
+        end = jnp.clip(lengths - 1 - at, 0, piece - 1)
+        out, scratch = forward_cached(params, part, scratch, at, zero, cfg, logits_at=end)
+        return scratch, jnp.where((j == last)[:, None], out[:, 0], logits)
+
+    logits = jnp.zeros((m, params.embed.shape[0]), jnp.float32)  # (the engine refuses an int8 embedding)
+    scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
+    if store is not None:
+        store = keep(store, scratch, put)
+    idx = jnp.arange(P)[None, :] - start[:, None]  # prompt i at slots start[i]..P-1, zeros before
+
+    def shift(buf):
+        got = jnp.take_along_axis(buf, jnp.clip(idx, 0, S - 1)[None, :, :, None, None], axis=2)
+        return jnp.where((idx >= 0)[None, :, :, None, None], got, 0)
+
+    return logits, KVCache(shift(scratch.k), shift(scratch.v)), store
+
+
 def _admit(
     params,
     rows: Rows,
@@ -394,53 +431,29 @@ def _admit(
     when `masked` (structured output). `plain` (static): every request is greedy and none wants
     log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
 
-    The prompts are computed left-aligned in pieces of `chunk` (static) tokens on a fixed grid
-    (`prefix_cache.prefill_grid`), each piece attending over the pieces before it, then moved to the
-    decode row's layout (left-padded to P: slots start[i]..P-1). With the prefix cache
-    (inference/prefix_cache.py; one prompt, m = 1) the first `hit_count` pieces come from store
-    blocks `hit_ids` and are not computed, and piece j is kept in store block put[j] afterwards.
+    A bucket of up to `chunk` (static) slots is one piece: `tokens` come left-padded (row i's prompt
+    at slots start[i]..P-1) and are prefilled in one forward into the decode row's layout. A longer
+    one comes left-aligned (row i's prompt at slots 0..P-start[i]-1) and is computed in pieces on a
+    fixed grid (`_prefill_pieces`, `prefix_cache.prefill_grid`), each piece attending over the pieces
+    before it; with the prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
+    `hit_count` pieces come from store blocks `hit_ids` and are not computed, and piece j is kept
+    in store block put[j] afterwards. (The one-piece path is the layout the engine had before
+    pieces: it compiles and runs as fast as then, and a prompt of one piece never uses the store.)
     """
     temperature, top_k, top_p, key = settings
     m, P = tokens.shape
-    piece, S = prefill_grid(P, chunk)
-    lengths = P - start
-    tokens = jnp.pad(tokens, ((0, 0), (0, S - P)))
+    piece, span = prefill_grid(P, chunk)
     # The prompt's cache is its bucket long, not max_len: its attention covers only the keys the
     # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
-    scratch = init_cache(cfg, m, S, kv_dtype)
-    first = jnp.int32(0)
-    pieces = S // piece
-    cached = store is not None and pieces > 1  # (a prompt of one piece neither reads nor fills the store)
-    if cached:
-        scratch = recall(store, scratch, hit_ids, hit_count)
-        first = hit_count
-    last = (lengths - 1) // piece  # the piece holding each prompt's last token
-    zero = jnp.zeros(m, jnp.int32)
-
-    def step(j, carry):
-        scratch, logits = carry
-        at = j * piece
-        part = jax.lax.dynamic_slice_in_dim(tokens, at, piece, axis=1)
-        end = jnp.clip(lengths - 1 - at, 0, piece - 1)
-        out, scratch = forward_cached(params, part, scratch, at, zero, cfg, logits_at=end)
-        return scratch, jnp.where((j == last)[:, None], out[:, 0], logits)
-
-    if pieces == 1:  # no loop: a loop of one trip compiled slower (start-up: bench/serve_startup.py)
-        out, scratch = forward_cached(params, tokens, scratch, 0, zero, cfg, logits_at=lengths - 1)
-        logits = out[:, 0]
+    if span == piece:  # one piece, already left-padded (`Engine._start`): straight into the decode layout
+        logits, cache = forward_cached(
+            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, start, cfg, last_only=True
+        )
+        logits = logits[:, -1]
     else:
-        logits = jnp.zeros((m, params.embed.shape[0]), jnp.float32)  # (the engine refuses an int8 embedding)
-        scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
-    if cached:
-        store = keep(store, scratch, put)
-    # the decode row's layout: prompt i at slots start[i]..P-1 (the slots before it zero, masked)
-    idx = jnp.arange(P)[None, :] - start[:, None]
-
-    def shift(buf):
-        got = jnp.take_along_axis(buf, jnp.clip(idx, 0, S - 1)[None, :, :, None, None], axis=2)
-        return jnp.where((idx >= 0)[None, :, :, None, None], got, 0)
-
-    cache = KVCache(shift(scratch.k), shift(scratch.v))
+        logits, cache, store = _prefill_pieces(
+            params, tokens, start, store, hit_ids, hit_count, put, piece, span, cfg, kv_dtype
+        )
     logits = logits[src]
     token, key = pick_tokens(
         _restricted(logits, allowed, masked), key, temperature, top_k, top_p, may_sample=not plain
@@ -1202,11 +1215,15 @@ class Engine:
         m = 1 << (len(prompts) - 1).bit_length()
         # a started engine uses the one target count `compile` prepared; generate's batches their own
         n = self.max_batch if self._thread is not None else 1 << (len(requests) - 1).bit_length()
-        tokens = np.zeros((m, P), np.int32)  # left-aligned: _admit moves them to the decode layout
+        piece, span = prefill_grid(P, self.prefill_chunk)
+        tokens = np.zeros((m, P), np.int32)  # one piece: left-padded; more: left-aligned (`_admit`)
         start = np.full(m, P - 1, np.int32)
         for i, p in enumerate(prompts):
             start[i] = P - len(p)
-            tokens[i, : len(p)] = p
+            if span == piece:
+                tokens[i, start[i] :] = p
+            else:
+                tokens[i, : len(p)] = p
         src = np.zeros(n, np.int32)
         slots = np.full(n, self.max_batch, np.int32)  # out of range: dropped
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
@@ -1223,7 +1240,6 @@ class Engine:
             r.sampling.temperature <= 0 and not r.sampling.logprobs for r in requests
         )
         constrained = any(r.constraint is not None for r in requests)
-        piece, span = prefill_grid(P, self.prefill_chunk)
         cached = self.prefix is not None and m == 1 and span > piece
         reuse = self.prefix.plan(list(prompts[0]), span // piece) if cached else None
         args = [
