@@ -199,7 +199,7 @@ def run_rl(
     if not resuming:
         out.mkdir(parents=True)
         (out / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
-    resume.cut_metrics(out / "metrics.jsonl", start)
+    resume.cut_metrics(out / "metrics.jsonl", start if start else -1)  # (no state yet: from step 0 again)
     last: dict = {}
     with (out / "metrics.jsonl").open("a") as log:
         if start == 0:

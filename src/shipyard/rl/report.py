@@ -39,7 +39,8 @@ def write_rl_report(out: Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
     fig.suptitle(str(out))
     fig.tight_layout()
     fig.savefig(out / "plots" / "rl.png", dpi=100)
