@@ -352,7 +352,7 @@ CASES = [
     C("rl reward signature", lambda t, w: _rl(t, w, "def f(prompt):\n    return 0\n"), CONFIG, "must take (prompt, completion, metadata)"),
     C("rl reward missing", lambda t, w: _rl(t, w, "def g(prompt, completion, metadata):\n    return 0\n"), CONFIG, "has no function 'f'"),
     C("rl reward file absent", lambda t, w: _rl(t, w, None), CONFIG, "does not exist"),
-    C("rl prompt line", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"prompt": "a"}\n{oops\n'), DATA, "p.jsonl:2"),
+    C("rl prompt line", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"prompt": "a"}\n{oops\n'), DATA, "p.jsonl line 2"),
     C("rl prompt field", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"text": "a"}\n'), DATA, "needs 'prompt'"),
     C("rl into existing", lambda t, w: ["rl", str(w.run), str(_copy(w.shards, t / "o"))], FS, "already exists"),
 ]

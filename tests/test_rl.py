@@ -158,15 +158,20 @@ def test_a_bad_reward_function_is_one_line(tmp_path, source, says):
 @pytest.mark.parametrize(
     "text, says",
     [
-        ('{"prompt": "a"}\n{oops\n', "p.jsonl:2: not JSON"),
-        ('{"prompt": "a"}\n[1]\n', "p.jsonl:2: a list"),
-        ('{"text": "a"}\n', "p.jsonl:1: needs 'prompt'"),
+        ('{"prompt": "a"}\n{oops\n', "p.jsonl line 2: not valid JSON"),
+        ('{"prompt": "a"}\n[1]\n', "p.jsonl line 2: a list"),
+        ('{"text": "a"}\n', "p.jsonl line 1: needs 'prompt'"),
         ("\n\n", "holds no prompts"),
-        ('{"messages": [{"role": "user"}]}\n', "p.jsonl:1: each message needs a string 'role' and 'content'"),
+        ('{"messages": [{"role": "user"}]}\n', "p.jsonl line 1: message 0 must be an object with exactly"),
+        (b"\xff\xfe{}", "is not UTF-8 text"),
     ],
 )
 def test_a_bad_prompt_file_names_its_line(tmp_path, text, says):
-    (tmp_path / "p.jsonl").write_text(text)
+    path = tmp_path / "p.jsonl"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     with pytest.raises(DataError, match=says):
         tasks.load_prompts(tmp_path / "p.jsonl")
 

@@ -199,16 +199,19 @@ def read_jsonl_records(path: str | Path, section: str, expected: str, check, not
     if not path.is_file():
         raise DataError(f"{section}: {path} does not exist (expected a JSONL file of {expected})")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{section}: {path} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from e
-            out.append(check(record, where))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{section}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{section}: {path} line {n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg})") from e
+        out.append(check(record, where))
     if not out:
         raise DataError(f"{section}: {path} holds no {nothing}")
     return out

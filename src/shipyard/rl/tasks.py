@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shipyard.data.chat_format import check_messages, read_jsonl_records
 from shipyard.errors import ConfigError, DataError
 
 TASKS = ("add", "multiply", "reverse", "sort", "code")
@@ -154,31 +155,20 @@ def prompt_key(item: dict) -> str:
     return item["prompt"] if "prompt" in item else json.dumps(item["messages"], sort_keys=True)
 
 
+def _prompt_item(record, where: str) -> dict:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a {type(record).__name__}, expected an object with 'prompt' or 'messages'")
+    if isinstance(record.get("prompt"), str):
+        return record
+    if "messages" not in record:
+        raise DataError(f"{where}: needs 'prompt' (a string) or 'messages' (a chat)")
+    check_messages(record["messages"], where)
+    return record
+
+
 def load_prompts(path: str | Path) -> list[dict]:
     """Items of a JSONL prompt file: each line an object with "prompt" (a string) or "messages" (a
     chat), and any fields the reward reads; DataError naming the line otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"rl: prompt file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"rl: {path}:{n}: not JSON ({e.msg}); each line must be one object") from None
-        if not isinstance(item, dict):
-            raise DataError(f"rl: {path}:{n}: a {type(item).__name__}, expected an object with 'prompt'")
-        chat = isinstance(item.get("messages"), list) and bool(item["messages"])
-        if not isinstance(item.get("prompt"), str) and not chat:
-            raise DataError(f"rl: {path}:{n}: needs 'prompt' (a string) or 'messages' (a non-empty list)")
-        if chat and not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in item["messages"]
-        ):
-            raise DataError(f"rl: {path}:{n}: each message needs a string 'role' and 'content'")
-        items.append(item)
-    if not items:
-        raise DataError(f"rl: {path} holds no prompts")
-    return items
+    return read_jsonl_records(
+        path, "rl", '{"prompt": ...} or {"messages": [...]} objects', _prompt_item, "prompts"
+    )
