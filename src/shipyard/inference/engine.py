@@ -481,10 +481,9 @@ def _admit(
 
 PREFILL_CHUNK = 128
 """Tokens a prompt is prefilled per piece (a longer bucket loops over pieces), and the prefix cache's
-block: a block is reused whole, so a smaller one reuses more of a partly shared prompt, and a larger
-one makes fewer, larger matrix products. On 2 CPU cores (bench/prefill_chunk.py, the bench model)
-pieces of 64 made a 200-token prefill 1.8x and a 1,000-token one 1.2x slower than one piece; of 128,
-1.7x and 0.94x; of 256, 1.0x."""
+block: a block is reused whole, so a smaller one reuses more of a partly shared prompt and computes
+fewer rows on a hit, and a larger one makes fewer, larger matrix products (bench/prefill_chunk.py
+measures what pieces cost against one)."""
 
 
 def prompt_bucket(n: int, max_len: int) -> int:
