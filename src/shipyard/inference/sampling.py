@@ -74,6 +74,16 @@ def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.where(drop, -jnp.inf, logits)
 
 
+def _per_row(batch: int, temperature, top_k, top_p) -> tuple:
+    """The settings as [batch] arrays (each given as a number for all rows or one per row)."""
+    import jax.numpy as jnp
+
+    return tuple(
+        jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+        for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32))
+    )
+
+
 def sampling_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     """The logits of the distribution a sampled row draws from: logits [batch, vocab] divided by the
     row's temperature (floored at MIN_TEMPERATURE), the tokens outside its top-k / top-p at -inf.
@@ -82,11 +92,7 @@ def sampling_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     import jax
     import jax.numpy as jnp
 
-    batch = logits.shape[0]
-    temperature, top_k, top_p = (
-        jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
-        for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32))
-    )
+    temperature, top_k, top_p = _per_row(logits.shape[0], temperature, top_k, top_p)
     scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     scaled = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
@@ -193,11 +199,7 @@ def pick_tokens(
     import jax
     import jax.numpy as jnp
 
-    batch = logits.shape[0]
-    temperature, top_k, top_p = (
-        jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
-        for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32))
-    )
+    temperature, top_k, top_p = _per_row(logits.shape[0], temperature, top_k, top_p)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not may_sample:
         return greedy, keys

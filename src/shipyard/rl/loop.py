@@ -190,9 +190,9 @@ def run_rl(
             f"eval_pass@{rl.pass_k}": pass_at(sampled),
         }
 
-    start = 0
-    if resuming and resume.complete_steps(out):
-        start = resume.complete_steps(out)[0]
+    saved = resume.complete_steps(out) if resuming else []
+    start = saved[0] if saved else 0
+    if start:
         params, opt_state, source.next = resume.restore(out, start, params, opt_state)
         engine.swap(params)
         say(f"rl: resuming {out} after step {start}")
