@@ -53,13 +53,19 @@ class PromptSource:
         self.next = 0  # items handed out so far (a resumed run starts where the step says)
 
     def take(self, n: int) -> list[dict]:
-        out = []
+        """The next n prompts (handed out: the next call goes on after them)."""
+        out, self.next = self.ahead(n)
+        return out
+
+    def ahead(self, n: int) -> tuple[list[dict], int]:
+        """(the next n prompts, the index after them), without handing them out."""
+        out, index = [], self.next
         while len(out) < n:
-            item = self._item(self.next)
-            self.next += 1
+            item = self._item(index)
+            index += 1
             if tasks.prompt_key(item) not in self.held_out:
                 out.append(item)
-        return out
+        return out, index
 
     def _item(self, index: int) -> dict:
         if self.items is None:
@@ -133,8 +139,7 @@ def run_rl(
 
     cfg, _, params = model_dir.load(checkpoint, what="rl")
     params = jax.tree.map(jnp.asarray, params)
-    longest = max(len(encode(item)) for item in [*held_out, *source.take(256)])
-    source.next = 0
+    longest = max(len(encode(item)) for item in [*held_out, *source.ahead(256)[0]])
     length = -(-(longest + rl.max_tokens + 8) // 16) * 16  # prompt + reply, headroom for longer prompts
     if length > cfg.model.max_seq_len:
         raise ConfigError(
