@@ -65,14 +65,107 @@ def test_rollout_log_probs_are_the_trainer_s_and_not_without_the_shared_transfor
     model, temperature, top_k, top_p
 ):
     """Every reply token's log-prob from the engine equals the trainer's forward of the same tokens
-    (within 1e-5: two programs, fp32); the engine reporting its model's own log-probs instead (the
-    transform applied on one side only) is off by far more wherever the transform does anything."""
+    within 5e-6 (two programs that round in their own orders: measured up to 3.1e-6, two ulps of
+    log-probs near -11; fixed-shape mode, below, is bitwise); the engine reporting its model's own
+    log-probs instead (the transform applied on one side only) is off by far more wherever the
+    transform does anything."""
     rl = build_rl_config(
         ["max_tokens=12", f"temperature={temperature}", f"top_k={top_k}", f"top_p={top_p}", "overlong=keep"]
     )
-    assert _rollout_vs_trainer(model, rl, sampling_logprobs=True) < 1e-5
+    assert _rollout_vs_trainer(model, rl, sampling_logprobs=True) < 5e-6
     if (temperature, top_k, top_p) != (1.0, 0, 1.0):
         assert _rollout_vs_trainer(model, rl, sampling_logprobs=False) > 0.1
+
+
+def _fixed_rollout(model, rl, replies=4):
+    """Groups sampled in fixed-shape mode (rl/fixed_rollout.py) from the trainer's own program."""
+    from shipyard.rl.fixed_rollout import sample_fixed
+    from shipyard.rl.step import make_distribution
+
+    cfg, params, tok = model
+    distribution = make_distribution(cfg, rl)
+    items = [{"prompt": w} for w in WORDS[:4]]
+    prompts = [tuple(tok.encode(i["prompt"], add_special_tokens=False).ids) for i in items]
+    return sample_fixed(
+        lambda tokens: distribution(params, None, jnp.asarray(tokens)), items, prompts, rl=rl, rows=16,
+        length=48, replies=replies, seeds=lambda i, g: 7 * i + g, stop_ids=(0,), decode=tok.decode,
+        reward=lambda *_: 0.0,
+    )  # fmt: skip
+
+
+def test_fixed_shape_rollout_log_probs_are_the_trainer_s_bit_for_bit(model):
+    """In fixed-shape mode every reply token's log-prob is bitwise the trainer's, with the groups in
+    other rows of the trainer's batch than they were drawn in (reversed, after a left-out group);
+    the trainer without the rollout's sampling transform is off by far more."""
+    from shipyard.rl.rollout import build_batch
+    from shipyard.rl.step import make_logps
+
+    cfg, params, _ = model
+    settings = ["max_tokens=12", "temperature=0.7", "top_k=5", "top_p=0.95", "overlong=keep"]
+    rl = build_rl_config(settings)
+    groups = _fixed_rollout(model, rl)
+    assert len({r.tokens for g in groups for r in g.replies}) > 8  # sampled, not one reply repeated
+    moved = groups[:0:-1]  # 3 groups, reversed: every reply in another row than it was drawn in
+    batch = build_batch(moved, np.zeros((3, 4)), 16, 48, rl)
+    mask = batch["mask"] > 0
+    assert mask.sum() == 12 * rl.max_tokens
+    trainer = make_logps(cfg, rl)(params, jnp.asarray(batch["tokens"]))
+    assert np.array_equal(trainer[mask], batch["old_logp"][mask])
+    plain = build_rl_config(["max_tokens=12", "overlong=keep"])  # the transform off on the trainer's side
+    off = make_logps(cfg, plain)(params, jnp.asarray(batch["tokens"]))
+    assert np.abs(off[mask] - batch["old_logp"][mask]).max() > 0.1
+
+
+def test_the_update_on_a_data_x_fsdp_mesh_equals_one_device(model):
+    """Two optimizer steps (full training and LoRA, with the KL term) on a 2 x 4 CPU mesh: the same
+    losses, metrics and params as on one device, within 1e-5."""
+    from shipyard.rl.placement import placement_for
+    from shipyard.rl.rollout import build_batch
+    from shipyard.rl.step import build_optimizer, make_update
+
+    cfg, params, _ = model
+    base = ["max_tokens=12", "temperature=0.9", "top_k=20", "overlong=keep", "beta=0.1", "lr=1e-3"]
+    base += ["prompts_per_step=4", "group_size=4", "seed=3"]
+    groups = _fixed_rollout(model, build_rl_config(base))
+    adv = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
+    for extra in ([], ["finetune={lora: {rank: 4, targets: [q, v, up]}}"]):
+        runs = []
+        for mesh in ([], ["mesh={data: 2, fsdp: 4}"]):
+            rl = build_rl_config([*base, *extra, *mesh])
+            place = placement_for(cfg, rl, 48)
+            fresh = jax.tree.map(jnp.copy, params)  # (the update donates what it trains)
+            trainable, frozen = place.put(place.partition.initial(fresh, jax.random.key(0)),
+                                          place.partition.frozen(fresh))  # fmt: skip
+            reference = jax.tree.map(jnp.copy, trainable)
+            optimizer = build_optimizer(rl)
+            state = optimizer.init(trainable)
+            update = make_update(cfg, rl, optimizer, place.partition, place.layout)
+            batch = place.put_batch(build_batch(groups, adv, 16, 48, rl))
+            metrics = []
+            for _ in range(2):
+                trainable, state, m = update(trainable, state, batch, frozen, reference)
+                metrics.append({k: float(v) for k, v in m.items()})
+            if mesh:
+                assert len(jax.tree.leaves(trainable)[0].sharding.device_set) == 8
+            runs.append((metrics, jax.tree.map(np.asarray, trainable)))
+        (one, p1), (sharded, p8) = runs
+        assert one[1]["loss"] != one[0]["loss"] and one[1]["kl_ref"] > 0
+        for a, b in zip(one, sharded):
+            for k in a:
+                assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (extra, k, a[k], b[k])
+        for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_a_reward_past_its_time_limit_is_zero_counted_and_said(tmp_path):
+    (tmp_path / "r.py").write_text(
+        "import time\ndef f(prompt, completion, metadata):\n"
+        "    try:\n        time.sleep(30)\n    except Exception:\n        return 5.0\n    return 1.0\n"
+    )
+    said = []
+    reward = tasks.Rewarder(tasks.load_reward(f"{tmp_path / 'r.py'}:f"), 0.2, said.append)
+    assert reward("p", "c", {}) == 0.0 and reward("p", "c", {}) == 0.0
+    assert reward.failures == {"timeout": 2} and len(said) == 1 and "reward_timeout=0.2" in said[0]
 
 
 def test_a_short_run_is_on_policy_at_each_batch_s_first_step_and_writes_a_model_dir(
@@ -106,6 +199,37 @@ def test_a_short_run_is_on_policy_at_each_batch_s_first_step_and_writes_a_model_
     assert recorded["group_size"] == 4 and recorded["task"] is None and recorded["top_p"] == 0.9
     capsys.readouterr()
     assert main(["generate", str(out), "--prompt", "the", "--max-new-tokens", "4"]) == 0
+
+
+def test_a_lora_run_on_a_mesh_in_fixed_shape_mode_changes_only_low_rank_deltas(run_dir, model, tmp_path):
+    """LoRA adapters trained on a 2 x 4 mesh with fixed-shape rollouts and the KL term: each batch's
+    first update is on-policy, and OUT's merged weights differ from the start by rank-4 deltas on
+    the adapted projections only (everything else bit for bit the model's)."""
+    from shipyard.run.model_dir import open_model_dir
+
+    cfg, start, _ = model
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
+    (tmp_path / "reward.py").write_text(REWARD)
+    out = tmp_path / "out"
+    settings = [
+        f"prompts={prompts}", f"reward={tmp_path / 'reward.py'}:score", "task=null", "steps=2", "group_size=4",
+        "prompts_per_step=4", "max_tokens=6", "eval_prompts=0", "lr=1e-2", "beta=0.05", "fixed_shape=true",
+        "mesh={data: 2, fsdp: 4}", "finetune={lora: {rank: 4, targets: [q, up]}}", "top_k=50", "overlong=keep",
+    ]  # fmt: skip
+    assert main(["rl", str(run_dir), str(out), *settings]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for m in lines[1:]:
+        assert abs(m["first_ratio_mean"] - 1) < 1e-5 and abs(m["first_kl_rollout"]) < 1e-5
+    _, _, trained = open_model_dir(out, "test").load()
+    for name in ("wq", "w_up"):
+        moved = np.asarray(getattr(trained.blocks, name)) - np.asarray(getattr(start.blocks, name))
+        flat = moved.reshape(moved.shape[0], moved.shape[1], -1)
+        ranks = [np.linalg.matrix_rank(layer, tol=1e-6) for layer in flat]
+        assert np.abs(moved).max() > 1e-4 and max(ranks) <= 4, (name, ranks)
+    for name in ("wk", "wv", "wo", "w_gate", "w_down"):
+        assert np.array_equal(getattr(trained.blocks, name), getattr(start.blocks, name)), name
+    assert np.array_equal(trained.embed, start.embed)
 
 
 def _yaml(path: Path) -> dict:

@@ -53,8 +53,8 @@ def _torch_reference(logits, targets, mask, rewards, old, ref, adv_kind, aggrega
             lp = logp_all[i, t, int(targets[i, t])]
             ratio = torch.exp(lp - float(old[i, t]))
             surrogate = torch.min(ratio * adv[i], torch.clamp(ratio, 1 - lo, 1 + hi) * adv[i])
-            d = float(ref[i, t]) - lp
-            kl = torch.exp(d) - d - 1
+            d = torch.clamp(float(ref[i, t]) - lp, -20.0, 20.0)  # bounded as verl's low_var_kl
+            kl = torch.clamp(torch.exp(d) - d - 1, max=10.0)
             terms.append(-(surrogate - beta * kl))
         if not terms:
             continue
@@ -120,6 +120,28 @@ def test_at_the_sampler_s_own_log_probs_the_ratio_is_one_and_the_kl_zero():
     )
     assert float(m["ratio_mean"]) == 1.0 and float(m["ratio_max"]) == 1.0
     assert float(m["kl_rollout"]) == 0.0 and float(m["clip_fraction"]) == 0.0
+
+
+def test_a_token_outside_the_policy_s_support_has_ratio_zero_and_finite_gradients():
+    """After an update a trained token can fall outside the policy's top-k (log-prob -inf): the loss
+    and its gradients stay finite, that token's ratio is 0 and its KL term is bounded."""
+    from shipyard.inference.sampling import sampling_logits
+
+    logits, targets, mask, rewards, old, ref = _batch(2)
+
+    def loss_of(x):
+        top3 = sampling_logits(x.reshape(-1, V), 1.0, 3, 1.0).reshape(x.shape)  # the rest at -inf
+        logp = jnp.take_along_axis(jax.nn.log_softmax(top3, axis=-1), targets[..., None], axis=-1)[..., 0]
+        adv = group_advantages(jnp.asarray(rewards), "group_std").reshape(-1)
+        return policy_loss(
+            logp, jnp.asarray(old), adv, jnp.asarray(mask), clip_low=0.2, clip_high=0.28,
+            aggregation="token", max_tokens=MAX_TOKENS, beta=0.1, ref_logp=jnp.asarray(ref),
+        )  # fmt: skip
+
+    (loss, m), grads = jax.value_and_grad(loss_of, has_aux=True)(jnp.asarray(logits))
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grads)).all()
+    assert np.abs(np.asarray(grads)).max() > 0
+    assert np.isfinite(float(m["kl_ref"])) and float(m["kl_ref"]) <= 10 and float(m["ratio_mean"]) < 0.9
 
 
 def test_equal_rewards_give_no_advantage_and_unknown_settings_are_refused():

@@ -790,6 +790,14 @@ class RLConfig(Schema):
     """Steps between saved states (OUT/state/: params and optimizer state, the last 2 kept); rerunning the same command resumes from the newest, bitwise."""
     seed: int = 0
     """Seed of the prompts drawn, the replies sampled and the held-out set; a resumed run draws the same."""
+    reward_timeout: float = Field(10.0, gt=0)
+    """Seconds a prompt file's reward function may take on one reply; past it the reply's reward is 0, counted as "timeout" in reward_failures."""
+    finetune: FinetuneConfig | None = None
+    """What trains: null, every parameter; {lora: {rank: 8}} low-rank adapters on the frozen model (the engine takes the merged weights after each update; the KL reference is the frozen model with the starting adapters, so no second copy); {train_last_layers: N} the last N layers."""
+    mesh: MeshConfig | None = None
+    """The trainer's device mesh, e.g. {data: 2, fsdp: 4}: params sharded over fsdp, each batch split over data x fsdp (prompts_per_step x group_size must divide by it); null: one device. Rollouts run on the mesh's first device, which holds a full copy of the weights."""
+    fixed_shape: bool = False
+    """Decode rollouts with the trainer's own log-prob program at one shape (prompts_per_step x group_size rows of the run's length, no KV cache): each reply token's log-prob is then bitwise the trainer's. Every token recomputes the whole sequence, so rollouts are slower; the held-out evaluation still uses the engine."""
 
     @model_validator(mode="after")
     def _check_source(self) -> RLConfig:
@@ -800,6 +808,17 @@ class RLConfig(Schema):
         if self.prompts is not None and self.reward is None:
             raise ValueError(
                 "reward: a prompts file needs a reward function (module:function or file.py:function)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_mesh(self) -> RLConfig:
+        if self.mesh is None:
+            return self
+        other = [a for a in ("pipeline", "context", "tensor", "expert") if getattr(self.mesh, a) != 1]
+        if other:
+            raise ValueError(
+                f"mesh: rl splits its trainer over data and fsdp only (got {', '.join(other)} > 1); set them to 1"
             )
         return self
 

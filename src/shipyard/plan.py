@@ -19,6 +19,10 @@ params (4), fp32 gradients (4: the gradient of an fp32 param), and AdamW's
 two fp32 moments (8), 16 in all (Muon matrices keep one moment: 12). The
 often-quoted 8B x (2 + 2 + 8) = 96 GB assumes bf16 params and gradients;
 the plan's `bytes_per_param` shows which terms differ.
+
+With an RLConfig (`shipyard plan --rl`), the plan is of `shipyard rl`'s trainer (`rl_train_config`)
+plus what an RL run holds beside it: the rollout engine's KV cache and its copy of the merged
+weights on the mesh's first device, and the KL reference (`_rl_bytes`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from shipyard.config import Config, MeshConfig
+from shipyard.config import Config, MeshConfig, RLConfig
 from shipyard.data.sizing import parse_amount
 from shipyard.errors import ConfigError
 
@@ -154,6 +158,7 @@ def _state_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
     )
     out = {"params": 4.0 * trained + frozen_bytes, "grads": 4.0 * trained, "optimizer": opt}
     out["params_count_local"] = trained + frozen
+    out["trained_local"] = trained
     out["largest_local_param"] = largest
     # DPO with reference: on_the_fly keeps the starting trainable tree in the compute dtype for the
     # reference forward (train/reference.py: reference_copy); a cached reference keeps none.
@@ -315,8 +320,16 @@ def _host_bytes(cfg: Config, state: dict) -> dict[str, float]:
     return {"resident": resident, "streamed": state["largest_local_param"] * per_param}
 
 
-def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None, mfu: float) -> dict:
-    """The analytic plan as a dict (all byte figures per device)."""
+def analytic(
+    cfg: Config,
+    sizes: dict[str, int],
+    device: Device,
+    tokens: float | None,
+    mfu: float,
+    rl: RLConfig | None = None,
+) -> dict:
+    """The analytic plan as a dict (all byte figures per device; with `rl`, of the mesh's first
+    device, which also hosts the rollout engine)."""
     from shipyard.model.transformer import num_active_params, num_params
     from shipyard.parallel.layout import layout_for
     from shipyard.train.metrics import flops_per_token
@@ -333,6 +346,9 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
     castable = state["params"] - (state.get("quantized_base") or {}).get("bytes", 0.0)
     copy = 0.0 if cfg.train.precision.compute_dtype == "float32" else castable / 2
     host = _host_bytes(cfg, state)
+    extra = _rl_bytes(cfg, rl, state, n_dev) if rl is not None else None
+    if extra is not None:
+        state["reference"] = extra["reference"]
     total = (
         state["params"]
         + state["grads"]
@@ -344,6 +360,8 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
         - host["resident"]
         + host["streamed"]
     )
+    if extra is not None:
+        total += extra["rollout_kv"] + extra["rollout_params"]
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
     pipeline = _pipeline(layout)
@@ -374,6 +392,11 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
             "logits": act["logits"],
             "offloaded": host["resident"],
             "offload_streamed": host["streamed"],
+            **(
+                {"rollout_kv": extra["rollout_kv"], "rollout_params": extra["rollout_params"]}
+                if extra is not None
+                else {}
+            ),
             "total": total,
         },
         "pipeline": pipeline,
@@ -390,10 +413,115 @@ def analytic(cfg: Config, sizes: dict[str, int], device: Device, tokens: float |
         "step_seconds": step_s,
         "tokens_per_second": step_tokens / step_s,
     }
+    if extra is not None:
+        out["rl"] = extra["rl"]
     if tokens is not None:
         seconds = tokens / out["tokens_per_second"]
         out.update(token_budget=tokens, days=seconds / 86400, device_hours=seconds * n_dev / 3600)
     return out
+
+
+# ----------------------------------------------------------------------------- rl
+
+
+def rl_train_config(cfg: Config, rl: RLConfig) -> Config:
+    """The config of `shipyard rl`'s trainer (rl/step.py) for the model of `cfg`: one update is
+    prompts_per_step x group_size replies of data.seq_len tokens (prompt + reply) in one microbatch,
+    AdamW on fp32 params computing in fp32, the whole sequence's logits at once (token_logps),
+    train.finetune = rl.finetune, on rl.mesh when it is set."""
+    train = cfg.train.model_copy(
+        update={
+            "global_batch_size": rl.prompts_per_step * rl.group_size,
+            "microbatches": 1,
+            "finetune": rl.finetune,
+            "optimizer": cfg.train.optimizer.model_copy(update={"name": "adamw"}),
+            "precision": cfg.train.precision.model_copy(update={"compute_dtype": "float32"}),
+            "loss_chunk_tokens": None,
+            "pipeline": None,
+            "offload": type(cfg.train.offload)(),
+            "preference": None,
+        }
+    )
+    return cfg.model_copy(update={"train": train, **({"mesh": rl.mesh} if rl.mesh is not None else {})})
+
+
+def rl_mesh(rl: RLConfig, mesh: dict[str, int] | None) -> dict[str, int]:
+    """The RL trainer's mesh sizes: rl.mesh, else `mesh` (--mesh), else one device (`shipyard rl`'s
+    mesh: null); only data and fsdp may split it, as `shipyard rl` requires."""
+    from shipyard.config import MESH_AXIS_NAMES
+
+    if rl.mesh is not None and mesh is not None:
+        raise ConfigError("--rl: mesh= and --mesh both give the RL trainer's mesh; give one of them")
+    if rl.mesh is None:
+        sizes = _all_axes(mesh or {})
+        other = [a for a in ("pipeline", "context", "tensor", "expert") if sizes[a] != 1]
+        if other:
+            raise ConfigError(
+                f"--mesh: rl splits its trainer over data and fsdp only (got {', '.join(other)} > 1); "
+                "set them to 1"
+            )
+        return sizes
+    sizes = {a: getattr(rl.mesh, a) for a in MESH_AXIS_NAMES}
+    if -1 in sizes.values():
+        axis = next(a for a, v in sizes.items() if v == -1)
+        raise ConfigError(
+            f"--rl: mesh.{axis} is -1 (all remaining devices), so it names no device count; "
+            "give every axis, e.g. mesh={data: 1, fsdp: 4}"
+        )
+    return sizes
+
+
+def _rl_bytes(cfg: Config, rl: RLConfig, state: dict, n_dev: int) -> dict:
+    """What an RL run holds beyond its trainer, in bytes, on the mesh's first device (which hosts
+    the rollout engine): the engine's fp32 KV cache (2 x [layers, max_batch, data.seq_len, kv_heads,
+    head_dim], inference/decode.py: init_cache), its fp32 copy of the merged weights (none for
+    full training on one device: the engine shares the trainer's buffers) and, with beta > 0, the
+    KL reference: an fp32 copy of the starting trainable params (all of them, the LoRA adapters
+    or the last layers), sharded like them."""
+    from shipyard.model.transformer import num_params
+
+    m = cfg.model
+    kv = 2.0 * m.num_layers * rl.max_batch * cfg.data.seq_len * m.num_kv_heads * m.head_dim * 4.0
+    shared = rl.finetune is None and n_dev == 1
+    weights = 0.0 if shared else 4.0 * num_params(m)
+    reference = 4.0 * state["trained_local"] if rl.beta else 0.0
+    finetune = rl.finetune
+    what = (
+        "full"
+        if finetune is None
+        else "lora"
+        if finetune.lora is not None
+        else f"train_last_layers={finetune.train_last_layers}"
+    )
+    return {
+        "rollout_kv": kv,
+        "rollout_params": weights,
+        "reference": reference,
+        "rl": {
+            "prompts_per_step": rl.prompts_per_step,
+            "group_size": rl.group_size,
+            "rows": rl.prompts_per_step * rl.group_size,
+            "seq_len": cfg.data.seq_len,
+            "max_batch": rl.max_batch,
+            "max_tokens": rl.max_tokens,
+            "beta": rl.beta,
+            "finetune": what,
+            "engine_shares_params": shared,
+            "kv_cache_shape": [m.num_layers, rl.max_batch, cfg.data.seq_len, m.num_kv_heads, m.head_dim],
+        },
+    }
+
+
+def judged_bytes(plan: dict) -> float:
+    """The bytes per device the verdict judges: the compiled peak when there is one, else the
+    analytic total. With --rl the compiled step is the trainer alone, so the rollout engine (KV
+    cache, weights copy) and the KL reference are added to it."""
+    compiled = plan.get("compiled") or {}
+    if compiled.get("peak_bytes", 0) <= 0:
+        return plan["bytes"]["total"]
+    b = plan["bytes"]
+    engine = b["rollout_kv"] + b["rollout_params"] + b["reference"] if plan.get("rl") else 0
+    return compiled["peak_bytes"] + engine
 
 
 def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
@@ -405,11 +533,20 @@ def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
     scale with the tokens of one microbatch).
     """
     compiled = plan.get("compiled") or {}
-    peak = compiled.get("peak_bytes", 0) if compiled.get("peak_bytes", 0) > 0 else plan["bytes"]["total"]
+    peak = judged_bytes(plan)
     budget = 0.9 * memory
     if peak <= budget:
         return True, []
     b, sizes, advice = plan["bytes"], plan["mesh"], []
+    # With --rl the rollout engine sits on the first device beside the trainer; sharding does not shrink it.
+    engine = b.get("rollout_kv", 0.0) + b.get("rollout_params", 0.0)
+    if plan.get("rl"):
+        r = plan["rl"]
+        advice.append(
+            f"the rollout engine takes {_fmt(engine)} on the mesh's first device (KV cache "
+            f"{_fmt(b['rollout_kv'])} for rl max_batch={r['max_batch']} rows of data.seq_len={r['seq_len']}, "
+            f"weights copy {_fmt(b['rollout_params'])}): lower max_batch or data.seq_len"
+        )
     state = b["params"] + b["grads"] + b["optimizer"] + b["compute_copy"] + b.get("reference", 0.0)
     if state > 0.6 * memory:
         need = 2 ** math.ceil(math.log2(sizes["fsdp"] * state / (0.6 * memory)))
@@ -418,15 +555,20 @@ def verdict(plan: dict, memory: float, cfg: Config) -> tuple[bool, list[str]]:
             f"(mesh fsdp={need} or more, now {sizes['fsdp']}; or more expert parallelism for MoE)"
         )
         state = 0.6 * memory
-    act = peak - state if compiled else b["activations"] + b["logits"]
-    room = budget - state
-    if act > room:
+    act = peak - state - engine if compiled else b["activations"] + b["logits"]
+    room = budget - state - engine
+    if 0 < room < act:  # (room <= 0 only with --rl: the rollout engine alone fills the device)
         if cfg.model.remat != "full":
             advice.append(f"set model.remat=full (now {cfg.model.remat}): keep only each layer's input")
         per_device = cfg.train.global_batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
         factor = cfg.train.microbatches * act / max(room, 1.0)
         options = [n for n in range(1, per_device + 1) if per_device % n == 0 and n >= factor]
-        if options:
+        if plan.get("rl"):  # shipyard rl updates on the whole rollout batch at once
+            advice.append(
+                f"activations take {_fmt(act)} with {room / 2**30:.1f} GiB left: fewer rows per update "
+                f"(rl prompts_per_step x group_size = {cfg.train.global_batch_size}) or more data x fsdp devices"
+            )
+        elif options:
             advice.append(
                 f"activations take {_fmt(act)} with {room / 2**30:.1f} GiB left: "
                 f"train.microbatches={options[0]} (now {cfg.train.microbatches})"
@@ -557,9 +699,23 @@ def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> d
 
 
 def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None = None, mfu: float = 0.4,
-         compile_layers: int | None = None, with_compiled: bool = True) -> dict:  # fmt: skip
-    """Analytic plan (+ compiled analysis) + verdict for `cfg` on a mesh of `sizes`."""
+         compile_layers: int | None = None, with_compiled: bool = True, rl: RLConfig | None = None) -> dict:  # fmt: skip
+    """Analytic plan (+ compiled analysis) + verdict for `cfg` on a mesh of `sizes`; with `rl`, of
+    `shipyard rl`'s trainer for `cfg`'s model (`sizes`: its mesh, see `rl_mesh`) and the rollout
+    engine and KL reference beside it."""
     sizes = _all_axes(sizes)
+    if rl is not None:
+        cfg = rl_train_config(cfg, rl)
+        if cfg.data.seq_len <= rl.max_tokens:
+            raise ConfigError(
+                f"--rl: max_tokens={rl.max_tokens} leaves no room for a prompt in data.seq_len="
+                f"{cfg.data.seq_len} (the rollout's prompt + reply length)"
+            )
+        if cfg.train.global_batch_size % (sizes["data"] * sizes["fsdp"]):
+            raise ConfigError(
+                f"--rl: prompts_per_step x group_size = {cfg.train.global_batch_size} rows do not split "
+                f"over data x fsdp = {sizes['data'] * sizes['fsdp']} devices"
+            )
     cfg = cfg.model_copy(update={"mesh": MeshConfig(**sizes, rules=cfg.mesh.rules)})
     batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if cfg.train.global_batch_size % (cfg.train.microbatches * batch_split):
@@ -567,7 +723,7 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
             f"train.global_batch_size: {cfg.train.global_batch_size} does not split into "
             f"{cfg.train.microbatches} microbatches over data x fsdp x expert = {batch_split} devices"
         )
-    out = analytic(cfg, sizes, device, tokens, mfu)
+    out = analytic(cfg, sizes, device, tokens, mfu, rl)
     if with_compiled:
         target = cfg
         moe = cfg.model.moe
@@ -590,6 +746,8 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
         )
     fits, advice = verdict(out, device.memory_bytes, cfg)
     out.update(fits=fits, advice=advice)
+    if rl is not None:
+        out["rl"]["verdict_bytes"] = judged_bytes(out)
     return out
 
 
@@ -599,7 +757,7 @@ def compare_table(plans: list[tuple[str, dict]]) -> str:
 
     def peak(p):
         c = p.get("compiled") or {}
-        return c.get("peak_bytes") or p["bytes"]["total"]
+        return judged_bytes(p) if p.get("rl") else c.get("peak_bytes") or p["bytes"]["total"]
 
     def layout(p):
         return " x ".join(f"{k}={v}" for k, v in p["mesh"].items() if v > 1) or "1 device"
@@ -615,7 +773,11 @@ def compare_table(plans: list[tuple[str, dict]]) -> str:
         ("logits", lambda p: _fmt(p["bytes"]["logits"])),
         (
             "peak per device",
-            lambda p: _fmt(peak(p)) + (" (compiled)" if p.get("compiled") else " (analytic)"),
+            lambda p: (
+                _fmt(peak(p))
+                + (" (compiled)" if p.get("compiled") else " (analytic)")
+                + (" + rollout" if p.get("rl") and p.get("compiled") else "")
+            ),
         ),
         ("pipeline bubble", lambda p: f"{p['pipeline']['bubble']:.1%}" if p.get("pipeline") else "-"),
         ("step time", lambda p: f"{p['step_seconds']:.3g} s at {p['mfu']:.0%} MFU"),
@@ -649,9 +811,44 @@ def _pipeline_line(pipe: dict | None) -> list[str]:
     ]
 
 
+def _rl_head(rl: dict | None) -> list[str]:
+    """With --rl: what the planned trainer step is."""
+    if not rl:
+        return []
+    return [
+        f"rl trainer: {rl['prompts_per_step']} prompts x {rl['group_size']} replies = {rl['rows']} rows of "
+        f"data.seq_len={rl['seq_len']} tokens (prompt + reply) in one update, AdamW, fp32; finetune: {rl['finetune']}"
+    ]
+
+
+def _rl_lines(rl: dict | None, b: dict) -> list[str]:
+    """With --rl: the KL reference and the rollout engine's bytes (analytic, first device)."""
+    if not rl:
+        return []
+    layers, rows, slots, heads, dims = rl["kv_cache_shape"]
+    kinds = {"full": "the starting params", "lora": "the starting LoRA adapters"}
+    what = kinds.get(rl["finetune"], "the starting trained layers")
+    reference = (
+        f"(beta={rl['beta']:g}: {what}, fp32, sharded like them)"
+        if rl["beta"]
+        else "(beta=0: no reference copy kept)"
+    )
+    return [
+        f"  reference     {_fmt(b['reference'])}  {reference}",
+        f"  rollout KV    {_fmt(b['rollout_kv'])}  (the engine's fp32 cache: 2 x [{layers:,} layers, "
+        f"{rows:,} rows (max_batch), {slots:,} slots (data.seq_len), {heads:,} kv heads, {dims:,} dims])",
+        f"  rollout copy  {_fmt(b['rollout_params'])}  "
+        + (
+            "(the engine shares the trainer's weights: full training on one device)"
+            if rl["engine_shares_params"]
+            else "(the engine's fp32 copy of the merged weights)"
+        ),
+    ]
+
+
 def render(p: dict) -> str:
     """The plan as text a person reads."""
-    b, bpp = p["bytes"], p["bytes_per_param"]
+    b, bpp, rl = p["bytes"], p["bytes_per_param"], p.get("rl")
     lines = [
         f"mesh {p['mesh']} = {p['devices']} x {p['device']['name']} ({_fmt(p['device']['memory_bytes'])} each)",
         f"parameters: {p['params_total']:,} total, {p['params_active']:,} active per token",
@@ -659,7 +856,10 @@ def render(p: dict) -> str:
         f"({'fp32 master' if not p.get('quantized_base') else 'fp32 adapters and the rest, quantized base'}) + grads {bpp['grads']:.3g} B "
         f"+ optimizer {bpp['optimizer']:.3g} B = {sum(bpp.values()):.3g} B; unsharded "
         f"{p['params_total']:,} x {sum(bpp.values()):.3g} B = {p['params_total'] * sum(bpp.values()) / 1e9:,.1f} GB",
-        "per device (analytic):",
+        *_rl_head(rl),
+        "per device (analytic):"
+        if not rl
+        else "per device (analytic; the mesh's first device, which also hosts the rollout engine):",
         f"  params        {_fmt(b['params'])}",
         *_quantized_line(p.get("quantized_base")),
         f"  grads         {_fmt(b['grads'])}",
@@ -669,7 +869,7 @@ def render(p: dict) -> str:
             [
                 f"  reference     {_fmt(b['reference'])}  (DPO on_the_fly: the starting trainable params, compute dtype)"
             ]
-            if b.get("reference")
+            if b.get("reference") and not rl
             else []
         ),
         f"  activations   {_fmt(b['activations'])}  ({p['microbatch_tokens_per_device']:,.0f} tokens per microbatch per device"
@@ -684,6 +884,7 @@ def render(p: dict) -> str:
             if b.get("offloaded")
             else []
         ),
+        *_rl_lines(rl, b),
         f"  total         {_fmt(b['total'])}",
         f"attention: {p['attention_impl']} (scores of {p['attention_keys']:,.0f} keys per query at once"
         + (f"; a ring over context={p['context']})" if p["context"] > 1 else ")"),
@@ -720,6 +921,11 @@ def render(p: dict) -> str:
             "  (MoE experts compiled in capacity mode, factor 1.25, standing in for the GPU/TPU "
             "grouped matmul: XLA CPU lowers dropless expert matmuls differently)"
         )
+    if c and rl:
+        lines.append(
+            f"  + rl          {_fmt(judged_bytes(p) - c['peak_bytes'])}  (rollout KV + rollout copy + reference: "
+            f"not in the compiled trainer step, added to its peak for the verdict) = {_fmt(judged_bytes(p))}"
+        )
     lines += [
         f"FLOPs: {p['flops_per_token']:.4g} per token (6 x active params + attention), {p['flops_per_step']:.4g} per step",
         f"at {p['mfu']:.0%} MFU: {p['step_seconds']:.3g} s per step, {p['tokens_per_second']:,.0f} tokens/s",
@@ -728,9 +934,19 @@ def render(p: dict) -> str:
         lines.append(
             f"{p['token_budget']:.3g} tokens: {p['days']:,.1f} days, {p['device_hours']:,.0f} device-hours"
         )
-    if p["fits"]:
+    if p["fits"] and rl:
+        lines.append(
+            f"verdict: fits ({_fmt(judged_bytes(p))} of {_fmt(p['device']['memory_bytes'])} on the mesh's first "
+            "device, rollout engine and reference included)"
+        )
+    elif p["fits"]:
         lines.append(
             f"verdict: fits ({_fmt((c or {}).get('peak_bytes') or b['total'])} of {_fmt(p['device']['memory_bytes'])} per device)"
+        )
+    elif rl:
+        lines.append(
+            f"verdict: does NOT fit in {_fmt(p['device']['memory_bytes'])} on the mesh's first device "
+            f"({_fmt(judged_bytes(p))}, rollout engine and reference included); " + "; ".join(p["advice"])
         )
     else:
         lines.append(

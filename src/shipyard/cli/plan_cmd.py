@@ -17,7 +17,13 @@ def _cmd_plan(args) -> int:
     from shipyard.plan import DEVICES, compare_table, config_mesh, parse_bytes, parse_mesh, plan, render
 
     cfg = load_config_arg(args.config, args.overrides, "plan")
-    sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
+    rl = _rl_config(args.rl) if args.rl is not None else None
+    if rl is not None:
+        from shipyard.plan import rl_mesh
+
+        sizes = rl_mesh(rl, parse_mesh(args.mesh) if args.mesh else None)
+    else:
+        sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
     device = DEVICES[args.device]
     if args.device_memory:
         device = replace(device, memory_bytes=parse_bytes(args.device_memory))
@@ -25,21 +31,29 @@ def _cmd_plan(args) -> int:
         raise ConfigError(f"--mfu: {args.mfu} is not a fraction; expected 0 < mfu <= 1, e.g. 0.4")
     if args.compile_layers is not None and args.compile_layers < 1:
         raise ConfigError(f"--compile-layers: {args.compile_layers}; expected a positive number of layers")
-    result = plan(cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only)
+    result = plan(cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only, rl)
     sys.stdout.write(render(result) + "\n")
     if args.compare:
         others = []
         for spec in args.compare:
             mesh, *overrides = shlex.split(spec)
             other = load_config_arg(args.config, [*args.overrides, *overrides], "plan --compare")
+            other_sizes = parse_mesh(mesh)
+            other_rl = None
+            if rl is not None:  # the compared mesh is the RL trainer's
+                from shipyard.plan import rl_mesh
+
+                other_rl = rl.model_copy(update={"mesh": None})
+                other_sizes = rl_mesh(other_rl, other_sizes)
             p = plan(
                 other,
-                parse_mesh(mesh),
+                other_sizes,
                 device,
                 args.tokens,
                 args.mfu,
                 args.compile_layers,
                 not args.analytic_only,
+                other_rl,
             )
             others.append((spec, p))
         sys.stdout.write("\ncompared:\n" + compare_table([("this plan", result), *others]) + "\n")
@@ -47,6 +61,20 @@ def _cmd_plan(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["fits"] else 6
+
+
+def _rl_config(text: str):
+    """--rl 'key=value ...' -> the RLConfig of `shipyard rl` (ConfigError in one line naming the key)."""
+    import shlex
+
+    from shipyard.config import build_rl_config
+
+    try:
+        return build_rl_config(shlex.split(text))
+    except ConfigError as e:
+        raise ConfigError(f"--rl: {e}") from e
+    except ValueError as e:  # shlex: an unclosed quote
+        raise ConfigError(f"--rl: {text!r}: {e}; expected 'key=value key=value ...'") from e
 
 
 def register(sub) -> None:
@@ -81,6 +109,15 @@ def register(sub) -> None:
         metavar="'MESH [KEY=VALUE ...]'",
         help="also plan this mesh (with these overrides) and print the layouts side by side, "
         "e.g. 'fsdp=32,expert=8 train.pipeline=null train.microbatches=16'",
+    )
+    pl.add_argument(
+        "--rl",
+        metavar="'KEY=VALUE ...'",
+        help="plan `shipyard rl` with these settings (its keys, e.g. 'prompts_per_step=8 group_size=8 "
+        "max_batch=64 beta=0.04'): the trainer's step on prompts_per_step x group_size rows of "
+        "data.seq_len tokens, where data.seq_len is the rollout's prompt + reply length, plus the "
+        "rollout engine's KV cache and weights copy and the KL reference on the mesh's first device; "
+        "the mesh is the rl settings' mesh=, else --mesh, else one device",
     )
     pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
     pl.set_defaults(func=_cmd_plan)

@@ -34,10 +34,12 @@ from shipyard.errors import ConfigError, DataError
 from shipyard.inference.engine import Engine
 from shipyard.output import progress, write_atomic
 from shipyard.rl import resume, tasks
+from shipyard.rl.fixed_rollout import sample_fixed
 from shipyard.rl.loss import group_advantages
+from shipyard.rl.placement import placement_for
 from shipyard.rl.report import write_rl_report
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
-from shipyard.rl.step import build_optimizer, make_update
+from shipyard.rl.step import build_optimizer, make_distribution, make_update
 
 EVAL_SEED = 0x5EED
 """Mixed into the run's seed for the held-out prompts (a stream of its own)."""
@@ -118,7 +120,7 @@ def run_rl(
     eos = special_token_ids(tok_dir, tok)["eos_token"]
     if rl.prompts is not None:
         file_items = tasks.load_prompts(rl.prompts)
-        reward = tasks.Rewarder(tasks.load_reward(rl.reward))
+        reward = tasks.Rewarder(tasks.load_reward(rl.reward), rl.reward_timeout, say)
     else:
         file_items, reward = None, tasks.Rewarder(tasks.checker(rl.task))
     held_out = _held_out(rl, file_items)
@@ -146,8 +148,14 @@ def run_rl(
             f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "
             f"{cfg.model.max_seq_len}; lower max_tokens"
         )
+    place = placement_for(cfg.model, rl, length)
+    partition = place.partition
+    trainable, frozen = place.put(
+        partition.initial(params, jax.random.key(rl.seed)), partition.frozen(params)
+    )
+    del params  # (full training: `trainable` is it; otherwise `frozen` holds what the adapters go on)
     engine = Engine(
-        params,
+        place.engine_params(trainable, frozen),
         cfg.model,
         max_batch=rl.max_batch,
         max_len=length,
@@ -155,12 +163,17 @@ def run_rl(
         share_prefill=rl.shared_prefill,
     )
     optimizer = build_optimizer(rl)
-    opt_state = optimizer.init(params)
-    update = make_update(cfg.model, rl, optimizer)
-    reference = params if rl.beta else None
+    opt_state = optimizer.init(trainable)
+    update = make_update(cfg.model, rl, optimizer, partition, place.layout)
+    # the KL's reference: the starting trainable part (with LoRA: the starting adapters, whose B = 0
+    # leaves the frozen model exactly as it was)
+    reference = jax.tree.map(jnp.copy, trainable) if rl.beta else None
     rows = rl.prompts_per_step * rl.group_size
+    distribution = make_distribution(cfg.model, rl, partition, place.layout) if rl.fixed_shape else None
 
-    def groups_of(items, step: int, replies: int, temperature: float, salt: int = 0) -> list[Group]:
+    def groups_of(
+        items, step: int, replies: int, temperature: float, salt: int = 0, train: bool = False
+    ) -> list[Group]:
         prompts = []
         for item in items:
             ids = encode(item)
@@ -170,18 +183,18 @@ def run_rl(
                     f"{length - rl.max_tokens} the run sized its engine for (prompts of up to {longest} seen)"
                 )
             prompts.append(ids)
-        return sample_groups(
-            engine,
-            items,
-            prompts,
+        how = dict(
             rl=rl,
             replies=replies,
-            temperature=temperature,
             seeds=lambda i, g: reply_seed(rl.seed + salt, step, i, g),
             stop_ids=stop_ids,
             decode=decode,
             reward=reward,
         )
+        if train and distribution is not None:  # fixed-shape mode: the trainer's own program draws
+            bound = lambda tokens: distribution(trainable, frozen, place.put_batch(tokens))  # noqa: E731
+            return sample_fixed(bound, items, prompts, rows=rows, length=length, **how)
+        return sample_groups(engine, items, prompts, temperature=temperature, **how)
 
     def evaluate(step: int) -> dict:
         if not held_out:
@@ -198,8 +211,8 @@ def run_rl(
     saved = resume.complete_steps(out) if resuming else []
     start = saved[0] if saved else 0
     if start:
-        params, opt_state, source.next = resume.restore(out, start, params, opt_state)
-        engine.swap(params)
+        trainable, opt_state, source.next = resume.restore(out, start, trainable, opt_state)
+        engine.swap(place.engine_params(trainable, frozen))
         say(f"rl: resuming {out} after step {start}")
     if not resuming:
         out.mkdir(parents=True)
@@ -221,9 +234,9 @@ def run_rl(
             if groups:
                 rewards = np.stack([g.rewards() for g in groups])
                 adv = np.asarray(group_advantages(jnp.asarray(rewards), rl.advantage))
-                batch = build_batch(groups, adv, rows, length, rl)
+                batch = place.put_batch(build_batch(groups, adv, rows, length, rl))
                 for u in range(rl.updates_per_batch):
-                    params, opt_state, m = update(params, opt_state, batch, reference)
+                    trainable, opt_state, m = update(trainable, opt_state, batch, frozen, reference)
                     if u == 0:  # the batch's first step: the policy is the sampler, ratio 1
                         metrics = {
                             f"first_{k}": float(v)
@@ -231,17 +244,17 @@ def run_rl(
                             if k.startswith(("ratio", "kl_rollout"))
                         }
                     metrics.update({k: float(v) for k, v in m.items()})
-                engine.swap(params)
+                engine.swap(place.engine_params(trainable, frozen))
             train_s = time.perf_counter() - t1
             last = _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward)
             if step % rl.eval_every == 0 or step == rl.steps:
                 last.update(evaluate(step))
             _write(log, last)
             if step % rl.save_every == 0 or step == rl.steps:
-                resume.save(out, step, params, opt_state, source.next)
+                resume.save(out, step, trainable, opt_state, source.next)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
     write_rl_report(out)
-    _save(out, params, model_dir, tok_dir)
+    _save(out, place.engine_params(trainable, frozen), model_dir, tok_dir)
     say(f"rl: wrote {out} (step {rl.steps}: {_show(last)}; report.md, plots/rl.png)")
     return last
 
@@ -271,13 +284,18 @@ def _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, r
 def _draw(rl: RLConfig, source: PromptSource, step: int, groups_of: Callable) -> tuple[list, list, int]:
     """(groups to train on, every group sampled, refill rounds) of one step: N prompts, then with
     dynamic sampling new prompts for the groups of equal rewards, up to max_refills rounds."""
-    sampled = groups_of(source.take(rl.prompts_per_step), step, rl.group_size, rl.temperature)
+    sampled = groups_of(source.take(rl.prompts_per_step), step, rl.group_size, rl.temperature, train=True)
     keep = [g for g in sampled if informative(g)] if rl.dynamic_sampling else list(sampled)
     rounds = 0
     while rl.dynamic_sampling and len(keep) < rl.prompts_per_step and rounds < rl.max_refills:
         rounds += 1
         more = groups_of(
-            source.take(rl.prompts_per_step - len(keep)), step, rl.group_size, rl.temperature, 100 + rounds
+            source.take(rl.prompts_per_step - len(keep)),
+            step,
+            rl.group_size,
+            rl.temperature,
+            100 + rounds,
+            train=True,
         )
         sampled += more
         keep += [g for g in more if informative(g)]

@@ -40,6 +40,15 @@ STD_EPS = 1e-4
 """Added to a group's reward std before dividing (a group of equal rewards has std 0)."""
 
 
+LOGP_FLOOR = -1e4
+"""The policy's and the reference's log-prob of a trained token are floored here (-inf: outside the
+support top-k / top-p leave; exp of the floor is exactly 0 in float32, as exp(-inf))."""
+KL_LOG_RATIO_BOUND = 20.0
+"""The k3 estimator's log-ratio log(ref / policy) is clipped to +-this (as verl's low_var_kl)."""
+KL_BOUND = 10.0
+"""A token's k3 KL is capped at this (as verl's low_var_kl)."""
+
+
 def group_advantages(rewards: jax.Array, kind: str) -> jax.Array:
     """Advantages [N, G] of rewards [N, G] (a row per prompt's group), per `kind` (ADVANTAGES)."""
     rewards = rewards.astype(jnp.float32)
@@ -76,17 +85,22 @@ def policy_loss(
     mask = mask.astype(jnp.float32)
     # positions outside the replies may hold -inf (a padding target outside top-k): zero them first,
     # as inf x 0 is nan
-    logp = jnp.where(mask > 0, logp, 0.0)
+    # A trained token can leave the policy's top-k / top-p support after an update (log-prob -inf):
+    # its ratio is 0 either way (the surrogate then clipped, pessimistically); the floor keeps
+    # kl_rollout finite, and the k3 bounds below its KL term (inf otherwise: nan gradients).
+    logp = jnp.maximum(jnp.where(mask > 0, logp, 0.0), LOGP_FLOOR)
     old_logp = jnp.where(mask > 0, old_logp, 0.0)
     if ref_logp is not None:
-        ref_logp = jnp.where(mask > 0, ref_logp, 0.0)
+        ref_logp = jnp.maximum(jnp.where(mask > 0, ref_logp, 0.0), LOGP_FLOOR)
     adv = advantages.astype(jnp.float32)[:, None]
     ratio = jnp.exp(logp - old_logp)
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = jnp.minimum(ratio * adv, clipped * adv)
     if ref_logp is not None and beta:
-        diff = ref_logp - logp
-        kl = jnp.exp(diff) - diff - 1.0
+        # k3 with its log-ratio and its value bounded (KL_LOG_RATIO_BOUND, KL_BOUND): one token far
+        # from the reference cannot overflow the loss
+        diff = jnp.clip(ref_logp - logp, -KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+        kl = jnp.minimum(jnp.exp(diff) - diff - 1.0, KL_BOUND)
     else:
         kl = jnp.zeros_like(logp)
     per_token = -(surrogate - beta * kl)

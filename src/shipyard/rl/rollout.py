@@ -90,17 +90,34 @@ def sample_groups(
     done = engine.generate(requests, samplings)
     groups = []
     for i, (item, ids) in enumerate(zip(items, prompts)):
-        out = []
-        for c in done[i * replies : (i + 1) * replies]:
-            ended = bool(c.tokens) and c.tokens[-1] in stop_ids
-            text = decode(list(c.tokens[:-1] if ended else c.tokens))
-            overlong = not ended and len(c.tokens) >= rl.max_tokens
-            value = reward(prompt_text(item), text, item)
-            if overlong and rl.overlong == "penalty":
-                value += rl.overlong_penalty
-            out.append(Reply(tuple(c.tokens), tuple(c.logprobs or ()), text, overlong, value))
+        out = [
+            finish_reply(
+                item, c.tokens, c.logprobs or (), rl=rl, stop_ids=stop_ids, decode=decode, reward=reward
+            )
+            for c in done[i * replies : (i + 1) * replies]
+        ]
         groups.append(Group(item, tuple(ids), tuple(out)))
     return groups
+
+
+def finish_reply(
+    item: dict,
+    tokens: Sequence[int],
+    logps: Sequence[float],
+    *,
+    rl: RLConfig,
+    stop_ids: tuple[int, ...],
+    decode: Callable[[list[int]], str],
+    reward: Callable[[str, str, dict], float],
+) -> Reply:
+    """A sampled reply to `item` decoded and scored (the overlong rule applied)."""
+    ended = bool(tokens) and tokens[-1] in stop_ids
+    text = decode(list(tokens[:-1] if ended else tokens))
+    overlong = not ended and len(tokens) >= rl.max_tokens
+    value = reward(prompt_text(item), text, item)
+    if overlong and rl.overlong == "penalty":
+        value += rl.overlong_penalty
+    return Reply(tuple(tokens), tuple(logps), text, overlong, value)
 
 
 def informative(group: Group) -> bool:

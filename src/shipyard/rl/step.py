@@ -19,25 +19,33 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from shipyard.config import ModelConfig, RLConfig
 from shipyard.inference.sampling import sampling_logits
 from shipyard.model import transformer
+from shipyard.model.partition import Partition
 from shipyard.rl.loss import policy_loss
 
 
-def token_logps(params, tokens: jax.Array, cfg: ModelConfig, temperature, top_k, top_p):
-    """(log-prob [B, L-1] of each next token under the sampling transform, that distribution's
-    entropy [B, L-1]) of the model `params` on `tokens` [B, L]."""
-    logits = transformer.logits(params, tokens[:, :-1], cfg)
+def token_distribution(params, tokens: jax.Array, cfg: ModelConfig, temperature, top_k, top_p, layout=None):
+    """Log-probs [B, L-1, V] of every next token under the sampling transform, from the model
+    `params` on `tokens` [B, L] (`layout`: the trainer's mesh layout, None on one device)."""
+    logits = transformer.logits(params, tokens[:, :-1], cfg, layout=layout)
     B, T, V = logits.shape
     flat = sampling_logits(logits.reshape(B * T, V), temperature, top_k, top_p)
-    logp_all = jax.nn.log_softmax(flat, axis=-1)
-    chosen = jnp.take_along_axis(logp_all, tokens[:, 1:].reshape(B * T, 1), axis=-1)[:, 0]
+    return jax.nn.log_softmax(flat, axis=-1).reshape(B, T, V)
+
+
+def token_logps(params, tokens: jax.Array, cfg: ModelConfig, temperature, top_k, top_p, layout=None):
+    """(log-prob [B, L-1] of each next token under the sampling transform, that distribution's
+    entropy [B, L-1]) of the model `params` on `tokens` [B, L]."""
+    logp_all = token_distribution(params, tokens, cfg, temperature, top_k, top_p, layout)
+    chosen = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
     p = jnp.exp(logp_all)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
-    return chosen.reshape(B, T), entropy.reshape(B, T)
+    return chosen, entropy
 
 
 def build_optimizer(rl: RLConfig) -> optax.GradientTransformation:
@@ -46,12 +54,16 @@ def build_optimizer(rl: RLConfig) -> optax.GradientTransformation:
     return adam if rl.grad_clip is None else optax.chain(optax.clip_by_global_norm(rl.grad_clip), adam)
 
 
-def _loss(params, batch, reference, *, cfg: ModelConfig, rl: RLConfig):
+def _loss(
+    trainable, batch, frozen, reference, *, cfg: ModelConfig, rl: RLConfig, partition: Partition, layout
+):
     transform = (rl.temperature, rl.top_k, rl.top_p)
-    logp, entropy = token_logps(params, batch["tokens"], cfg, *transform)
+    params = partition.merge(trainable, frozen)
+    logp, entropy = token_logps(params, batch["tokens"], cfg, *transform, layout)
     ref = None
     if rl.beta:
-        ref = jax.lax.stop_gradient(token_logps(reference, batch["tokens"], cfg, *transform)[0])
+        ref_params = partition.merge(reference, frozen)
+        ref = jax.lax.stop_gradient(token_logps(ref_params, batch["tokens"], cfg, *transform, layout)[0])
     loss, metrics = policy_loss(
         logp,
         batch["old_logp"],
@@ -70,22 +82,45 @@ def _loss(params, batch, reference, *, cfg: ModelConfig, rl: RLConfig):
     return loss, metrics
 
 
-def make_update(cfg: ModelConfig, rl: RLConfig, optimizer: optax.GradientTransformation):
-    """`update(params, opt_state, batch, reference) -> (params, opt_state, metrics)`, jitted: one
-    optimizer step on the batch's loss (`reference`: the starting params, used when rl.beta > 0)."""
-    grad = jax.value_and_grad(partial(_loss, cfg=cfg, rl=rl), has_aux=True)
+def make_update(
+    cfg: ModelConfig, rl: RLConfig, optimizer: optax.GradientTransformation, partition: Partition, layout=None
+):
+    """`update(trainable, opt_state, batch, frozen, reference) -> (trainable, opt_state, metrics)`,
+    jitted: one optimizer step on the batch's loss. `trainable` and `frozen` are `partition`'s two
+    parts (everything and None for full training); `reference`: the starting trainable part, for
+    the KL term when rl.beta > 0."""
+    loss = partial(_loss, cfg=cfg, rl=rl, partition=partition, layout=layout)
+    grad = jax.value_and_grad(loss, has_aux=True)
 
-    def update(params, opt_state, batch, reference):
-        (loss, metrics), grads = grad(params, batch, reference)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return optax.apply_updates(params, updates), opt_state, metrics
+    def update(trainable, opt_state, batch, frozen, reference):
+        (value, metrics), grads = grad(trainable, batch, frozen, reference)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        metrics = {**metrics, "loss": value, "grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(trainable, updates), opt_state, metrics
 
     return jax.jit(update, donate_argnums=(0, 1))
 
 
-def make_logps(cfg: ModelConfig, rl: RLConfig):
-    """`logps(params, tokens) -> [B, L-1]`, jitted: the trainer's log-probs (the on-policy check)."""
-    return jax.jit(
-        lambda params, tokens: token_logps(params, tokens, cfg, rl.temperature, rl.top_k, rl.top_p)[0]
-    )
+def make_distribution(cfg: ModelConfig, rl: RLConfig, partition: Partition | None = None, layout=None):
+    """`distribution(trainable, frozen, tokens) -> [B, L-1, V]`, jitted: the trainer's log-probs of
+    every next token. One program for both sides of fixed-shape mode (rl/fixed_rollout.py samples
+    from it; `make_logps` reads the replies' tokens from it), so they agree bit for bit."""
+    partition = partition or Partition(cfg, None)
+
+    def distribution(trainable, frozen, tokens):
+        params = partition.merge(trainable, frozen)
+        return token_distribution(params, tokens, cfg, rl.temperature, rl.top_k, rl.top_p, layout)
+
+    return jax.jit(distribution)
+
+
+def make_logps(cfg: ModelConfig, rl: RLConfig, partition: Partition | None = None, layout=None):
+    """`logps(trainable, tokens, frozen=None) -> [B, L-1]`: the trainer's log-prob of each next token
+    (the on-policy check): `make_distribution`'s program, the tokens' entries picked after it."""
+    distribution = make_distribution(cfg, rl, partition, layout)
+
+    def logps(trainable, tokens, frozen=None):
+        every = np.asarray(distribution(trainable, frozen, tokens))
+        return np.take_along_axis(every, np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
+
+    return logps

@@ -12,8 +12,8 @@ function of (task, seed, index), so a resumed run, or the held-out set, draws th
     code      a Python expression for f(x) = a x + b described in words, run in a sandbox on 5 inputs
 
 A user reward is `module:function` or `path/to/file.py:function`, called as function(prompt,
-completion, metadata) -> float. An exception it raises is reward 0 and a counted reason (its type),
-never a crashed run.
+completion, metadata) -> float. An exception it raises, or a call past the run's `reward_timeout`, is
+reward 0 and a counted reason (its type, or 'timeout'), never a crashed run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import signal
 import string
+import threading
 import types
 from collections import Counter
 from collections.abc import Callable
@@ -123,17 +125,52 @@ def load_reward(spec: str) -> Callable[[str, str, dict], float]:
     return fn
 
 
-class Rewarder:
-    """Calls a reward function on replies; an exception or a non-number is reward 0, counted by reason."""
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit (a BaseException: a user's `except Exception` cannot
+    swallow it)."""
 
-    def __init__(self, fn: Callable[[str, str, dict], float]):
-        self.fn = fn
+
+def _limited(fn: Callable, seconds: float | None, *args):
+    """fn(*args), stopped by SIGALRM after `seconds` (the main thread only: signals are delivered
+    there; elsewhere, or with None, unlimited)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+
+    def stop(signum, frame):
+        raise RewardTimeout
+
+    before = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+class Rewarder:
+    """Calls a reward function on replies; an exception, a non-number or a call past `timeout`
+    seconds is reward 0, counted by reason (the first timeout also said in one line)."""
+
+    def __init__(
+        self, fn: Callable[[str, str, dict], float], timeout: float | None = None, say: Callable = print
+    ):
+        self.fn, self.timeout, self.say = fn, timeout, say
         self.failures: Counter[str] = Counter()
-        """Replies whose reward call failed, by reason (the exception's type, or 'not a number')."""
+        """Replies whose reward call failed, by reason (the exception's type, 'timeout' or 'not a
+        finite number')."""
 
     def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
         try:
-            value = float(self.fn(prompt, completion, metadata))
+            value = float(_limited(self.fn, self.timeout, prompt, completion, metadata))
+        except RewardTimeout:
+            if not self.failures["timeout"]:
+                self.say(
+                    f"rl: the reward function ran past reward_timeout={self.timeout:g} s on a reply; such "
+                    "replies get reward 0 (counted as 'timeout' in reward_failures)"
+                )
+            self.failures["timeout"] += 1
+            return 0.0
         except Exception as e:  # a user's function must not end the run: reward 0, counted
             self.failures[type(e).__name__] += 1
             return 0.0
