@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("eval", ("shipyard.eval", "shipyard.lm_eval_adapter")),
     ("rl", ("shipyard.rl",)),
     ("experiment", ("shipyard.experiment",)),
+    ("browse", ("shipyard.browse",)),
     ("cli", ("shipyard.cli",)),
 ]
 

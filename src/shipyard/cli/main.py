@@ -7,6 +7,7 @@ import os
 import sys
 
 from shipyard.cli import (
+    browse_cmd,
     config_cmd,
     data_cmd,
     eval_cmd,
@@ -33,6 +34,7 @@ GROUPS = (
     rl_cmd,
     plan_cmd,
     pipeline_cmd,
+    browse_cmd,
 )
 
 

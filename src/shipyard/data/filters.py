@@ -135,6 +135,64 @@ def failed_rule(text: str, cfg: FilterConfig, source: str = "") -> str | None:
     return None
 
 
+def rule_measure(rule: str, text: str, cfg: FilterConfig, source: str = "") -> dict | None:
+    """What `rule` (a name `failed_rule` returns) measured on `text` and the limit it holds it to:
+    {"value", "limit", "needs"} ("needs" says which side of the limit passes), or None for an
+    unknown rule. What `shipyard browse` shows beside a dropped document."""
+    words = text.split()
+    n = max(len(words), 1)
+    prose = profile_for(source, cfg) == "prose"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+
+    def prose_or_code(name: str):
+        return getattr(cfg, name if prose else f"code_{name}")
+
+    measures = {
+        "min_chars": lambda: (len(text), cfg.min_chars, ">="),
+        "min_words": lambda: (len(words), cfg.min_words, ">="),
+        "max_words": lambda: (len(words), cfg.max_words, "<="),
+        "mean_word_length": lambda: (
+            sum(len(w) for w in words) / n,
+            f"{cfg.min_mean_word_length}..{cfg.max_mean_word_length}",
+            "within",
+        ),
+        "alpha_words": lambda: (
+            sum(any(c.isalpha() for c in w) for w in words) / n,
+            cfg.min_alpha_word_fraction,
+            ">=",
+        ),
+        "symbol_ratio": lambda: (
+            (text.count("#") + text.count("...") + text.count("…")) / n,
+            cfg.max_symbol_word_ratio,
+            "<=",
+        ),
+        "duplicate_lines": lambda: (
+            (len(lines) - len(set(lines))) / max(len(lines), 1),
+            prose_or_code("max_duplicate_line_fraction"),
+            "<=",
+        ),
+        "top_ngram": lambda: (
+            _top_ngram_fraction(_Words(words), 2),
+            prose_or_code("max_top_ngram_fraction"),
+            "<=",
+        ),
+        "duplicate_ngrams": lambda: (
+            _duplicate_ngram_fraction(_Words(words), 5),
+            prose_or_code("max_duplicate_ngram_fraction"),
+            "<=",
+        ),
+        "terminal_punctuation": lambda: (
+            sum(line.endswith(TERMINAL) for line in lines) / max(len(lines), 1),
+            cfg.min_terminal_punct_line_fraction,
+            ">=",
+        ),
+    }
+    if rule not in measures:
+        return None
+    value, limit, needs = measures[rule]()
+    return {"value": float(value), "limit": limit, "needs": needs}
+
+
 # ----------------------------------------------------------------------------- the filter stage
 
 # Set once per worker process by the pool initializer (a worker serves one stage).

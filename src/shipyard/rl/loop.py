@@ -3,9 +3,11 @@ the new weights swapped into the same engine, held-out evaluation; metrics.jsonl
 params as a model directory every other command reads.
 
     for each step:
-        draw N prompts; G replies each (one engine call; a prompt's replies share its prefill)
+        draw N prompts; G replies each (one engine call; a prompt's replies share its prefill;
+            with fixed_shape, drawn from the trainer's own program instead: rl/fixed_rollout.py)
         rewards; with dynamic sampling, groups of equal rewards are dropped and new prompts drawn
-        advantages per group; `updates_per_batch` optimizer steps on the batch (rl/step.py)
+        advantages per group; `updates_per_batch` optimizer steps on the batch (rl/step.py), of
+            what rl.finetune trains, on rl.mesh (rl/placement.py)
         the engine takes the new weights in place (`Engine.swap`: same shapes, nothing recompiles)
 
 OUT holds rl.yaml (the resolved RLConfig) and metrics.jsonl from the start (a line per step:
