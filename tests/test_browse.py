@@ -19,10 +19,17 @@ from urllib.parse import urldefrag, urlparse
 import httpx
 import numpy as np
 import pytest
-from browse_fixtures import browse_server, chromium, need_browser
+from browse_fixtures import INSTALL, browse_server, browser_paths, chromium, need_browser
 
 from shipyard.cli.main import main
 from shipyard.experiment.executor import run_pipeline
+
+if (
+    browser_paths() is None and os.environ.get("SHIPYARD_REQUIRE_BROWSER") != "1"
+):  # one line, not one per test
+    pytest.skip(
+        f"browser tests: no chromium / chromedriver here (install: {INSTALL})", allow_module_level=True
+    )
 
 VOLATILE = {"provenance.json", "_SUCCESS", "stats.json", "report.md", "prepare.json"}
 
@@ -281,3 +288,33 @@ def test_trace_finds_a_generated_span_in_the_training_shards(root, server, brows
     assert any(phrase[30:-30] in m for m in marks), (phrase, marks[:3])
     assert not any("zqxv" in m or "jjqqzz" in m for m in marks)
     _shot(browser, "trace", tmp_path)
+
+
+def test_a_chat_run_of_a_moe_model_shows_its_packed_rows_with_their_loss_mask(tmp_path, browser):
+    """A run directory as ROOT (a mixture-of-experts model SFT'd on chats): the batch page shows the
+    packed rows token for token, the trained (shaded) tokens exactly the loss mask's, each packed
+    conversation's start marked."""
+    from chat_fixtures import train_sft, upper_task, write_chats, write_tokenizer
+    from selenium.webdriver.common.by import By
+
+    from shipyard.config import load_config
+    from shipyard.train.trainer import load_data
+
+    chats = write_chats(tmp_path / "chats.jsonl", upper_task(0, 64))
+    run = train_sft(tmp_path / "runs", "chat", chats, write_tokenizer(tmp_path / "tok"),
+                    "train.steps=2", "train.global_batch_size=8", config="moe-tiny")  # fmt: skip
+    rows = load_data(load_config(str(run / "config.yaml")), say=lambda m: None).loader.rows(1)
+    with browse_server(run) as base:
+        browser.get(base)
+        assert "run" in browser.find_element(By.CSS_SELECTOR, "svg.graph").text
+        browser.get(base + f"batch/{run.name}/1.html")
+        shown = browser.find_elements(By.CSS_SELECTOR, "div.row")
+        assert len(shown) == 8
+        for r, row in enumerate(shown):
+            spans = row.find_elements(By.CSS_SELECTOR, "span[data-id]")
+            assert [int(s.get_attribute("data-id")) for s in spans] == rows["tokens"][r].tolist()
+            trained = [t for t, s in enumerate(spans) if "t" in s.get_attribute("class").split()]
+            assert trained == [t + 1 for t in np.flatnonzero(rows["loss_mask"][r])], r
+            starts = np.count_nonzero(np.diff(rows["segment_ids"][r]))
+            assert len(row.find_elements(By.CSS_SELECTOR, "b.seg")) == starts > 0
+        _shot(browser, "chat-batch", tmp_path)

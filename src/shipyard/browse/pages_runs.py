@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from shipyard.browse.html import chart, esc, page, pre, table
+from shipyard.browse.html import chart, esc, page, table
 
 CURVES = (
     ("loss", ("loss", "val_loss")),
@@ -21,6 +21,8 @@ CURVES = (
     ("gradient norm", ("grad_norm",)),
     ("tokens/s", ("tokens_per_s",)),
     ("MFU", ("mfu",)),
+    ("reward (RL)", ("reward_mean", "eval_reward", "eval_pass@1")),
+    ("KL (RL)", ("kl_ref", "kl_rollout")),
 )
 """The charts of a run page: title -> the metrics.jsonl keys drawn on it."""
 ROWS_SHOWN = 8
@@ -223,10 +225,13 @@ def batch_page(site, node, step: int) -> str:
         if hasattr(data.loader, "eos_id")
         else None
     )
+    segment = rows.get("segment_ids")
     shown = []
     for r in range(min(ROWS_SHOWN, tokens.shape[0])):
         spans = []
         for t, token in enumerate(tokens[r].tolist()):
+            if segment is not None and 0 < t < segment.shape[1] and segment[r, t] != segment[r, t - 1]:
+                spans.append(f'<b class=seg title="segment {int(segment[r, t])}">│</b>')  # a new packed chat
             text = tok.decode([token], skip_special_tokens=False) if tok is not None else f"{token} "
             # position t is a target of the loss when mask[t - 1] (the prediction made at t - 1)
             trained = mask is not None and t > 0 and t - 1 < mask.shape[1] and mask[r, t - 1] > 0
@@ -234,12 +239,12 @@ def batch_page(site, node, step: int) -> str:
             spans.append(f'<span class="{cls}" data-id="{token}" title="{token}">{esc(text)}</span>')
         shown.append(f'<div class=row data-row="{r}"><span class=rowno>{r}</span>{"".join(spans)}</div>')
     segments = ""
-    if "segment_ids" in rows:
-        segments = "<h2>Segments</h2>" + pre({"segment_ids (first row)": rows["segment_ids"][0].tolist()})
+    if segment is not None:
+        segments = "<p>│ marks where a packed row's next conversation (segment) starts.</p>"
     body = (
         f"<p>{tokens.shape[0]} rows x {tokens.shape[1]} tokens at step {step} (the first {min(ROWS_SHOWN, tokens.shape[0])} "
         "shown), from <code>train.trainer.load_data</code> on the run's config.yaml: the trainer's own loader. "
-        "Shaded: tokens the loss trains on; boxed: end-of-document tokens.</p>"
+        "Shaded: tokens the loss trains on (their loss_mask); boxed: end-of-document tokens.</p>"
         + "".join(shown)
         + segments
         + f'<p><a href="../../run/{esc(node.key)}.html">run</a></p>'
