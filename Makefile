@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 QS     := runs/quickstart
 
-.PHONY: install quickstart test test-slow test-all lint format bench clean
+.PHONY: install quickstart test test-slow test-all lint format bench clean browse-screenshots
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow --durations=25
+
+# docs/browse/*.png, the screenshots docs/browse.md shows, taken by the browser tests themselves.
+browse-screenshots: install
+	SHIPYARD_BROWSE_SCREENSHOTS=docs/browse $(BIN)/python -m pytest -q tests/test_browse.py
 
 test-all: install
 	$(BIN)/python -m pytest -q

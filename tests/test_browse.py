@@ -158,6 +158,7 @@ def test_a_flipped_byte_in_a_token_shard_marks_its_node_and_every_descendant(roo
     assert "differs" in browser.find_element(By.CSS_SELECTOR, "p.status").text
     browser.get((out / "node" / f"{_key(root, 'train')}.html").as_uri())
     assert "upstream differs" in browser.find_element(By.CSS_SELECTOR, "p.status").text
+    browser.get((out / "index.html").as_uri())
     _shot(browser, "flipped", tmp_path)
 
 
