@@ -12,7 +12,6 @@ rounds. Targets (issue): build <= 10 s on 2 cores, index < 1 s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -22,7 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from browse_fixtures import browse_server, chromium  # noqa: E402
+from report import emit, median_range  # noqa: E402
 
 
 def build_seconds(root: Path, tmp: Path, k: int) -> float:
@@ -59,17 +60,14 @@ def main() -> None:
         }
 
     result = {
-        "build_seconds": summary(builds),
-        "index_load_ms": summary(loads),
+        "build_seconds": median_range(builds, 3),
+        "index_load_ms": median_range(loads, 3),
         "pages": pages,
         "steps": sum(1 for p in args.root.iterdir() if (p / "provenance.json").is_file()),
         "cpus": os.cpu_count(),
         "rounds": {"build_seconds": builds, "index_load_ms": loads},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

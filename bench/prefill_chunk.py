@@ -13,7 +13,6 @@ the JSON has every time and each chunk's ratio to the whole-bucket piece.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
 from serve_throughput import SHAPE  # noqa: E402
 
 from shipyard.config import load_config  # noqa: E402
@@ -76,10 +76,7 @@ def main() -> None:
             for c, per in times.items()
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit, median_range  # noqa: E402
 from serve_throughput import synthetic_text, write_run, write_tokenizer  # noqa: E402
 
 from shipyard.config import build_rl_config  # noqa: E402
@@ -88,11 +88,7 @@ def main() -> None:
             print(f"round {k + 1}: {rounds[-1]}", file=sys.stderr)
 
     def summary(get) -> dict:
-        values = [get(r) for r in rounds]
-        return {
-            "median": round(statistics.median(values), 4),
-            "range": [round(min(values), 4), round(max(values), 4)],
-        }
+        return median_range([get(r) for r in rounds])
 
     result = {
         "shared_rollout_tokens_per_s": summary(lambda r: r["shared"]["rollout_tokens_per_s"]),
@@ -107,10 +103,7 @@ def main() -> None:
         "config": {"steps": args.steps, "repeat": args.repeat, "prompts_per_step": 4, "group_size": 8,
                    "max_tokens": 32, "prompt_words": 150},
     }  # fmt: skip
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

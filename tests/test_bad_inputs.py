@@ -355,7 +355,23 @@ CASES = [
     C("rl prompt line", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"prompt": "a"}\n{oops\n'), DATA, "p.jsonl line 2"),
     C("rl prompt field", lambda t, w: _rl(t, w, "def f(p, c, m):\n    return 0\n", '{"text": "a"}\n'), DATA, "needs 'prompt'"),
     C("rl into existing", lambda t, w: ["rl", str(w.run), str(_copy(w.shards, t / "o"))], FS, "already exists"),
+    C("rl bad mesh axis", lambda t, w: ["rl", str(w.run), str(t / "o"), "mesh={tensor: 2}"], CONFIG, "data and fsdp only"),
+    C("rl rows off the mesh", lambda t, w: ["rl", str(w.run), str(t / "o"), "mesh={data: 8}", "prompts_per_step=3", "group_size=2"], CONFIG, "do not split over"),
+    C("rl reward timeout", lambda t, w: ["rl", str(w.run), str(t / "o"), "reward_timeout=0"], CONFIG, "reward_timeout"),
+    # shipyard browse: roots, static outputs, flags
+    C("browse root absent", lambda t, w: ["browse", str(t / "none"), "--static", str(t / "s")], DATA, "is not a directory"),
+    C("browse root of nothing", lambda t, w: ["browse", str(_write(t / "r" / "a.txt", "a").parent), "--static", str(t / "s")], DATA, "holds no pipeline steps"),
+    C("browse bad provenance", lambda t, w: ["browse", str(_browse_root(t, "{oops")), "--static", str(t / "s")], DATA, "not valid JSON"),
+    C("browse static exists", lambda t, w: ["browse", str(_browse_root(t)), "--static", str(_write(t / "s" / "x", "").parent)], DATA, "already exists"),
+    C("browse static in root", lambda t, w: ["browse", str(_browse_root(t)), "--static", str(t / "r" / "site")], DATA, "inside ROOT"),
+    C("browse bucket root", lambda t, w: ["browse", "s3://bucket/runs/qs", "--static", str(t / "s")], CONFIG, "is a bucket URL"),
+    C("browse bad port", lambda t, w: ["browse", str(_browse_root(t)), "--port", "0"], CONFIG, "--port"),
 ]
+
+
+def _browse_root(t: Path, provenance: str = '{"step": {"name": "a", "kind": "filter"}}') -> Path:
+    """A pipeline root of one step directory holding `provenance` as its provenance.json."""
+    return _write(t / "r" / "a-0123" / "provenance.json", provenance).parent.parent
 
 
 def _rl(t: Path, w: World, reward: str | None, prompts: str = '{"prompt": "a"}\n') -> list[str]:

@@ -107,7 +107,7 @@ def graph_svg(columns: dict[str, int], parents: dict[str, Sequence[str]], labels
               href: dict[str, str]) -> str:  # fmt: skip
     """The artifact graph: a box per node in its column (`columns`: key -> depth), an edge from each
     parent; `labels`: key -> (title, subtitle, status class); `href`: key -> its page."""
-    w, h, gx, gy = 190, 54, 60, 22
+    w, h, gx, gy = 168, 54, 44, 20
     rows: dict[int, int] = {}
     at = {}
     for key, col in columns.items():
@@ -142,6 +142,6 @@ def graph_svg(columns: dict[str, int], parents: dict[str, Sequence[str]], labels
             f'<text x="{x + 8:.0f}" y="{y + 40:.0f}" class=sub>{esc(sub)}</text></a>'
         )
     return (
-        f'<svg class=graph viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" height="{height:.0f}">'
-        f"{''.join(edges)}{''.join(boxes)}</svg>"
+        f'<div class=graphbox><svg class=graph viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
+        f'height="{height:.0f}">{"".join(edges)}{"".join(boxes)}</svg></div>'
     )

@@ -55,7 +55,7 @@ def index(site) -> str:
         compare = "<h2>Compare runs</h2><ul>" + "".join(pairs) + "</ul>"
     tools = '<p><a href="model.html">model playground</a> · <a href="trace.html">trace text to training data</a></p>'
     body = summary + svg + tools + table(["status", "kind", "step", "wall", "views"], rows, "nodes") + compare
-    return page(f"{site.root.name}", body, "")
+    return page(str(site.root), body, "")
 
 
 def _views(n, base: str) -> str:

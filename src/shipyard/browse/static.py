@@ -14,15 +14,18 @@ from shipyard.errors import DataError
 from shipyard.output import progress
 
 
+def check_output(root: Path, out: Path) -> None:
+    """DataError unless `out` is a new directory outside `root` (checked before any work)."""
+    if out.exists():
+        raise DataError(f"browse --static: {out} already exists; give a new directory")
+    if out.resolve().is_relative_to(Path(root).resolve()):
+        raise DataError(f"browse --static: {out} is inside ROOT {root}; the browser writes nothing there")
+
+
 def write_static(site, out: str | Path) -> list[str]:
     """Every page of `site.static_paths()` under `out` (which must not exist); the paths written."""
     out = Path(out)
-    if out.exists():
-        raise DataError(f"browse --static: {out} already exists; give a new directory")
-    if out.resolve().is_relative_to(site.root.resolve()):
-        raise DataError(
-            f"browse --static: {out} is inside ROOT {site.root}; the browser writes nothing there"
-        )
+    check_output(site.root, out)
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "assets").mkdir(parents=True)

@@ -9,11 +9,22 @@ from shipyard.errors import ConfigError
 
 
 def _cmd_browse(args) -> int:
+    from shipyard import storage
     from shipyard.browse.site import open_site
+
+    if storage.is_url(str(args.root)):
+        raise ConfigError(
+            f"browse: {storage.redact(str(args.root))} is a bucket URL; browse reads a local directory "
+            "(copy the root to a local directory and browse that)"
+        )
 
     if args.static is None and not 0 < args.port < 65536:
         raise ConfigError(f"--port: {args.port} is not a port number; expected 1..65535")
-    site = open_site(args.root, verify=not args.no_verify, live=args.static is None)
+    if args.static is not None:
+        from shipyard.browse.static import check_output
+
+        check_output(Path(args.root), args.static)  # (before the minutes a large root may take)
+    site = open_site(Path(args.root), verify=not args.no_verify, live=args.static is None)
     bad = [n.key for n in site.nodes if n.status in ("differs", "upstream")]
     print(
         f"browse: {len(site.nodes)} steps of {args.root} re-hashed in {site.verify_seconds:.1f} s"
@@ -47,7 +58,6 @@ def register(sub) -> None:
     )
     p.add_argument(
         "root",
-        type=Path,
         metavar="ROOT",
         help="a pipeline root (shipyard run / quickstart) or a run directory",
     )

@@ -1,0 +1,37 @@
+"""Data pages without a browser: a decontamination hit shows the document with the shared n-gram
+highlighted (whitespace in the document may differ from the n-gram's single spaces), and a filter's
+drop names its rule with the number it measured against the limit."""
+
+from __future__ import annotations
+
+import json
+
+from shipyard.browse.site import open_site
+from shipyard.experiment.executor import run_pipeline
+
+
+def test_decontamination_hits_and_filter_drops_show_their_evidence(tmp_path):
+    words = [f"w{i}" for i in range(400)]
+    shared = "the quick brown fox jumps over the lazy dog near the old river bank today"
+    docs = [{"id": f"d{i}", "text": " ".join(words[i * 20 : i * 20 + 60])} for i in range(12)]
+    docs.append(
+        {"id": "leak", "text": " ".join(words[:30]) + "\n" + shared.replace(" over ", "\n  over ") + " end"}
+    )
+    docs.append({"id": "short", "text": "too few words"})
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"text": f"q: {shared}?"}) + "\n")
+    (tmp_path / "p.yaml").write_text(
+        "root: out\nsteps:\n"
+        "  - {name: filter, kind: filter, inputs: {documents: docs.jsonl}, config: {profile: prose, min_words: 5}}\n"
+        f"  - {{name: decon, kind: decontaminate, inputs: {{documents: '@filter'}}, "
+        f"config: {{eval_sets: ['{tmp_path / 'eval.jsonl'}'], ngram: 8}}}}\n"
+    )
+    run_pipeline(str(tmp_path / "p.yaml"), log=lambda m: None)
+    site = open_site(tmp_path / "out")
+    assert all(n.status == "verified" for n in site.nodes)
+    decon = next(n for n in site.nodes if n.kind == "decontaminate")
+    page = site.render(f"data/{decon.key}.html")
+    assert "<code>leak</code>" in page and "<mark>the quick brown fox jumps\n  over the lazy</mark>" in page
+    filt = next(n for n in site.nodes if n.kind == "filter")
+    page = site.render(f"data/{filt.key}.html")
+    assert "dropped by <b class=rule>min_words</b>: measured 3, &gt;= 5" in page
