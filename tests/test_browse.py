@@ -98,11 +98,11 @@ def _crawl(browser, start: str, inside: str) -> dict[str, int]:
     return depth
 
 
-def _files_digest(path: Path) -> str:
+def _files_digest(path: Path, skip: set[str] = frozenset()) -> str:
     """experiment/steps.py's "files" digest, written out again: sha256 over each file's relative path
-    and bytes, sorted, the records of time and place left out."""
+    and bytes, sorted, the records of time and place (and `skip`) left out."""
     h = hashlib.sha256()
-    for p in sorted(p for p in path.rglob("*") if p.is_file() and p.name not in VOLATILE):
+    for p in sorted(p for p in path.rglob("*") if p.is_file() and p.name not in VOLATILE | skip):
         h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
@@ -124,6 +124,17 @@ def test_every_link_resolves_and_every_hash_shown_is_the_file_s(root, server, br
         row = [r for r in browser.find_elements(By.CSS_SELECTOR, "table tr") if r.text.startswith("files ")]
         shown = row[0].find_elements(By.TAG_NAME, "code")
         assert shown[0].text == shown[1].text == _files_digest(root / key), key
+    for key in [k for k in steps if k.startswith("tokens-")]:  # the shard table and the shards' bytes
+        browser.get(server + f"node/{key}.html")
+        shown = {
+            r.text.split()[0]: r.find_elements(By.TAG_NAME, "code")
+            for r in browser.find_elements(By.CSS_SELECTOR, "table tr")[1:]
+            if r.text
+        }
+        table = json.loads((root / key / "manifest.json").read_text())["shards"]
+        want = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+        assert shown["shards"][1].text == want
+        assert shown["files"][1].text == _files_digest(root / key, skip={"manifest.json"})
     browser.get(server)
     assert browser.find_element(By.CSS_SELECTOR, "p.summary").text.endswith("0 differ.")
     _shot(browser, "index", tmp_path)
@@ -131,6 +142,35 @@ def test_every_link_resolves_and_every_hash_shown_is_the_file_s(root, server, br
                        ("dedup", f"data/{_key(root, 'dedup')}.html"), ("run", f"run/{_key(root, 'train')}.html")]:  # fmt: skip
         browser.get(server + path)
         _shot(browser, name, tmp_path)
+
+
+def test_two_runs_compared_show_their_config_difference_curves_and_shared_steps(root, tmp_path):
+    """A second run in the same root (20 steps instead of 30; the data steps are skipped, shared by
+    hash): the compare page lists train.steps 30 vs 20, draws both loss curves, and names the steps
+    both runs were made from."""
+    from shipyard.browse.site import open_site
+
+    copy = tmp_path / "root"
+    shutil.copytree(root, copy, symlinks=True)
+    text = (root.parent / "quickstart.yaml").read_text().replace("train.steps=30", "train.steps=20")
+    (tmp_path / "q.yaml").write_text(text)
+    run_pipeline(str(tmp_path / "q.yaml"), root=copy, log=lambda m: None)
+    site = open_site(copy)
+    a, b = site.runs()
+    page = site.render(f"compare/{a.key}__{b.key}.html")
+    assert "<td>train.steps</td>" in page and {"<td>30</td>", "<td>20</td>"} <= set(_cells(page))
+    assert f"{a.name} loss" in page and page.count("<polyline") >= 2
+    both = [k for k in (_key(root, n) for n in ("documents", "filter", "dedup", "tokenizer", "tokens-train"))]
+    for key in both:
+        assert (
+            f'{key}.html">{key}</a></td><td>' in page and page.split(f"{key}.html", 2)[-1].count("both") >= 1
+        )
+
+
+def _cells(page: str) -> list[str]:
+    import re
+
+    return re.findall(r"<td>[^<]*</td>", page)
 
 
 def _key(root: Path, name: str) -> str:
@@ -319,3 +359,43 @@ def test_a_chat_run_of_a_moe_model_shows_its_packed_rows_with_their_loss_mask(tm
             starts = np.count_nonzero(np.diff(rows["segment_ids"][r]))
             assert len(row.find_elements(By.CSS_SELECTOR, "b.seg")) == starts > 0
         _shot(browser, "chat-batch", tmp_path)
+
+
+def test_a_preference_run_shows_chosen_and_rejected_replies(tmp_path, browser):
+    """A SimPO run on prompt / chosen / rejected pairs as ROOT: its batch page shows the packed pair
+    rows token for token, each trained token marked chosen or rejected as the loader's slots say."""
+    from chat_fixtures import QUIET, write_tokenizer
+    from selenium.webdriver.common.by import By
+
+    from shipyard.config import load_config
+    from shipyard.train.trainer import load_data
+
+    pairs = tmp_path / "pairs.jsonl"
+    words = ["apple", "stone", "river", "cloud", "green", "light", "house", "table"] * 3
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": f"write: {w}", "chosen": w.upper(), "rejected": w}) + "\n" for w in words
+        )
+    )
+    tok = write_tokenizer(tmp_path / "tok")
+    run = tmp_path / "runs" / "pref"
+    args = ["train", "tiny", f"run.out_dir={tmp_path / 'runs'}", "run.name=pref", "data.seq_len=64",
+            f"data.preference={{train: {pairs}, tokenizer: {tok}}}", "train.steps=2", "train.global_batch_size=8",
+            "train.preference={loss: simpo, beta: 2.0, gamma: 0.5}", *QUIET]  # fmt: skip
+    assert main(args) == 0
+    rows = load_data(load_config(str(run / "config.yaml")), say=lambda m: None).loader.rows(1)
+    with browse_server(run) as base:
+        browser.get(base + f"batch/{run.name}/1.html")
+        for r, row in enumerate(browser.find_elements(By.CSS_SELECTOR, "div.row")):
+            spans = row.find_elements(By.CSS_SELECTOR, "span[data-id]")
+            assert [int(s.get_attribute("data-id")) for s in spans] == rows["tokens"][r].tolist()
+            classes = [s.get_attribute("class").split() for s in spans]
+            slots = rows["slots"][r]
+            assert [t for t, c in enumerate(classes) if "ch" in c] == [
+                t + 1 for t in np.flatnonzero((slots >= 0) & (slots % 2 == 0))
+            ]
+            assert [t for t, c in enumerate(classes) if "rj" in c] == [
+                t + 1 for t in np.flatnonzero((slots >= 0) & (slots % 2 == 1))
+            ]
+            assert any("ch" in c for c in classes) and any("rj" in c for c in classes)
+        _shot(browser, "preference-batch", tmp_path)

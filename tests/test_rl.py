@@ -195,6 +195,14 @@ def test_a_short_run_is_on_policy_at_each_batch_s_first_step_and_writes_a_model_
                     "clip_fraction", "kl_ref", "entropy", "loss", "grad_norm", "rollout_share"):  # fmt: skip
             assert np.isfinite(m[key]), key
         assert m["groups_trained"] >= 1 and 0 < m["rollout_share"] < 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))  # the same numbers as TensorBoard scalars
+    events.Reload()
+    reward = events.Scalars("reward_mean")
+    assert [e.step for e in reward] == [1, 2, 3]
+    assert [e.value for e in reward] == pytest.approx([m["reward_mean"] for m in lines[1:]], rel=1e-6)
+    assert {"eval_reward", "first_ratio_mean", "kl_ref", "rollout_share"} <= set(events.Tags()["scalars"])
     recorded = _yaml(out / "rl.yaml")
     assert recorded["group_size"] == 4 and recorded["task"] is None and recorded["top_p"] == 0.9
     capsys.readouterr()

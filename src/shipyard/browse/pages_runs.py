@@ -226,6 +226,7 @@ def batch_page(site, node, step: int) -> str:
         else None
     )
     segment = rows.get("segment_ids")
+    slots = rows.get("slots")  # preference rows: 2k the k-th pair's chosen reply, 2k + 1 its rejected one
     shown = []
     for r in range(min(ROWS_SHOWN, tokens.shape[0])):
         spans = []
@@ -236,11 +237,15 @@ def batch_page(site, node, step: int) -> str:
             # position t is a target of the loss when mask[t - 1] (the prediction made at t - 1)
             trained = mask is not None and t > 0 and t - 1 < mask.shape[1] and mask[r, t - 1] > 0
             cls = ("t" if trained else "u") + (" eos" if eos is not None and token == eos else "")
+            if trained and slots is not None and slots[r, t - 1] >= 0:
+                cls += " ch" if slots[r, t - 1] % 2 == 0 else " rj"
             spans.append(f'<span class="{cls}" data-id="{token}" title="{token}">{esc(text)}</span>')
         shown.append(f'<div class=row data-row="{r}"><span class=rowno>{r}</span>{"".join(spans)}</div>')
     segments = ""
     if segment is not None:
         segments = "<p>│ marks where a packed row's next conversation (segment) starts.</p>"
+    if slots is not None:
+        segments += "<p>Preference pairs: a chosen reply's tokens in green, a rejected reply's in red.</p>"
     body = (
         f"<p>{tokens.shape[0]} rows x {tokens.shape[1]} tokens at step {step} (the first {min(ROWS_SHOWN, tokens.shape[0])} "
         "shown), from <code>train.trainer.load_data</code> on the run's config.yaml: the trainer's own loader. "

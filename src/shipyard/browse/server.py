@@ -157,6 +157,7 @@ def load_model(site, node) -> dict:
     shards = [str(p) for p in (cfg.data.sources()[0] if cfg.data.train_tokens or cfg.data.mixture else [])]
     digest = next((v for k, v in node.recorded.items() if k.startswith("params@") or k == "files"), None)
     return {
+        "site": site,
         "node": node,
         "engine": engine,
         "tokenizer": tok,
@@ -225,9 +226,18 @@ def generate(m: dict, prompt: str, max_tokens: int, mode: str) -> dict:
             "key": node.key,
             "params_sha256": m["digest"],
             "checkpoint": m["step"],
-            "shards": m["shards"],
+            "shards": [{"path": p, "page": _page_of(m["site"], p)} for p in m["shards"]],
+            "page": f"node/{node.key}.html",
         },
     }
+
+
+def _page_of(site, path: str) -> str | None:
+    """The node page of the step directory `path` lies in, when it is one of the root's."""
+    for n in site.nodes:
+        if Path(path).resolve().is_relative_to(n.path.resolve()):
+            return f"node/{n.key}.html"
+    return None
 
 
 def trace_text(m: dict, text: str) -> dict:

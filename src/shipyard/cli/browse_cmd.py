@@ -12,6 +12,9 @@ def _cmd_browse(args) -> int:
     from shipyard import storage
     from shipyard.browse.site import open_site
 
+    for flag, value in (("ROOT", args.root), ("--static", args.static)):
+        if value is not None and "\x00" in str(value):
+            raise ConfigError(f"{flag}: {str(value)!r} holds a NUL byte; expected a directory path")
     if storage.is_url(str(args.root)):
         raise ConfigError(
             f"browse: {storage.redact(str(args.root))} is a bucket URL; browse reads a local directory "

@@ -10,7 +10,8 @@ params as a model directory every other command reads.
             what rl.finetune trains, on rl.mesh (rl/placement.py)
         the engine takes the new weights in place (`Engine.swap`: same shapes, nothing recompiles)
 
-OUT holds rl.yaml (the resolved RLConfig) and metrics.jsonl from the start (a line per step:
+OUT holds rl.yaml (the resolved RLConfig) and metrics.jsonl (and the same numbers as TensorBoard
+scalars in OUT/tb) from the start (a line per step:
 rewards, lengths, dropped groups, clip fraction, KL, entropy, the importance ratio at each batch's
 first step, rollout and training seconds; held-out reward, pass@1 and pass@k where evaluated), and
 state/ every `save_every` steps (rl/resume.py: the same command resumes a killed run). At the end
@@ -20,7 +21,7 @@ as `import hf` writes them, which `generate`, `chat`, `serve`, `eval` and `train
 
 from __future__ import annotations
 
-import json
+import contextlib
 import shutil
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from shipyard.rl.placement import placement_for
 from shipyard.rl.report import write_rl_report
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
 from shipyard.rl.step import build_optimizer, make_distribution, make_update
+from shipyard.train.metrics import MetricsWriter
 
 EVAL_SEED = 0x5EED
 """Mixed into the run's seed for the held-out prompts (a stream of its own)."""
@@ -221,10 +223,12 @@ def run_rl(
         (out / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
     resume.cut_metrics(out / "metrics.jsonl", start if start else -1)  # (no state yet: from step 0 again)
     last: dict = {}
-    with (out / "metrics.jsonl").open("a") as log:
+    # metrics.jsonl and TensorBoard (OUT/tb: a resumed run hides the events after its saved step)
+    writer = MetricsWriter(out / "metrics.jsonl", out / "tb", purge_step=start + 1 if start else 0)
+    with contextlib.closing(writer) as log:
         if start == 0:
             first_eval = evaluate(0)
-            _write(log, {"step": 0, **first_eval})
+            log.write({"step": 0, **first_eval})
             say(f"rl: held-out before training: {_show(first_eval)}")
         bar = progress(range(start + 1, rl.steps + 1), desc="rl", unit="step", initial=start, total=rl.steps)
         for step in bar:
@@ -251,7 +255,7 @@ def run_rl(
             last = _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward)
             if step % rl.eval_every == 0 or step == rl.steps:
                 last.update(evaluate(step))
-            _write(log, last)
+            log.write(last)
             if step % rl.save_every == 0 or step == rl.steps:
                 resume.save(out, step, trainable, opt_state, source.next)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
@@ -302,11 +306,6 @@ def _draw(rl: RLConfig, source: PromptSource, step: int, groups_of: Callable) ->
         sampled += more
         keep += [g for g in more if informative(g)]
     return keep[: rl.prompts_per_step], sampled, rounds
-
-
-def _write(log, record: dict) -> None:
-    log.write(json.dumps(record) + "\n")
-    log.flush()
 
 
 def _show(metrics: dict) -> str:

@@ -49,8 +49,14 @@ function showCompletion(target, r) {
   }
   target.append(el("pre", r.prompt), line);
   const facts = el("p");
-  facts.append(el("span", `model ${r.model.name}: params sha256 ${r.model.params_sha256}, checkpoint ${r.model.checkpoint}; trained on `));
-  for (const s of r.model.shards) facts.append(el("code", s + " "));
+  const model = el("a", r.model.name);
+  model.href = r.model.page;
+  facts.append("model ", model, `: params sha256 ${r.model.params_sha256}, checkpoint ${r.model.checkpoint}; trained on `);
+  for (const s of r.model.shards) {
+    const shard = el(s.page ? "a" : "code", s.path);
+    if (s.page) shard.href = s.page;
+    facts.append(shard, " ");
+  }
   target.append(facts);
 }
 
