@@ -98,6 +98,47 @@ def _crawl(browser, start: str, inside: str) -> dict[str, int]:
     return depth
 
 
+def _sha(data) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def _digests_shown(browser, url: str) -> dict[str, str]:
+    """A step page's artifact table: name -> the digest it shows as computed now (the table also
+    shows the recorded one, which must be the same)."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(url)
+    out = {}
+    for row in browser.find_elements(By.CSS_SELECTOR, "table tr")[1:]:
+        cells = row.find_elements(By.TAG_NAME, "td")
+        if len(cells) == 3 and cells[1].find_elements(By.TAG_NAME, "code"):
+            assert cells[1].text == cells[2].text, row.text
+            out[cells[0].text] = cells[2].text
+    return out
+
+
+def _restored_params(run: Path) -> tuple[int, list]:
+    """The newest checkpoint's params read with Orbax directly, leaves in the model's order."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from shipyard.config import load_config
+    from shipyard.model.params import abstract_params
+    from shipyard.model.transformer import param_specs
+
+    step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    cfg = load_config(str(run / "config.yaml"))
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore((run / "checkpoints" / str(step) / "default").absolute())["params"]
+    leaves = []  # by name, in the model's field order (what the digest hashes in)
+    for path, _ in jax.tree_util.tree_flatten_with_path(abstract_params(param_specs(cfg.model)))[0]:
+        node = params
+        for key in path:
+            node = node[key.name]
+        leaves.append(node)
+    return step, leaves
+
+
 def _files_digest(path: Path, skip: set[str] = frozenset()) -> str:
     """experiment/steps.py's "files" digest, written out again: sha256 over each file's relative path
     and bytes, sorted, the records of time and place (and `skip`) left out."""
@@ -125,16 +166,21 @@ def test_every_link_resolves_and_every_hash_shown_is_the_file_s(root, server, br
         shown = row[0].find_elements(By.TAG_NAME, "code")
         assert shown[0].text == shown[1].text == _files_digest(root / key), key
     for key in [k for k in steps if k.startswith("tokens-")]:  # the shard table and the shards' bytes
-        browser.get(server + f"node/{key}.html")
-        shown = {
-            r.text.split()[0]: r.find_elements(By.TAG_NAME, "code")
-            for r in browser.find_elements(By.CSS_SELECTOR, "table tr")[1:]
-            if r.text
-        }
+        shown = _digests_shown(browser, server + f"node/{key}.html")
         table = json.loads((root / key / "manifest.json").read_text())["shards"]
-        want = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
-        assert shown["shards"][1].text == want
-        assert shown["files"][1].text == _files_digest(root / key, skip={"manifest.json"})
+        assert shown["shards"] == _sha(json.dumps(table, sort_keys=True))
+        assert shown["files"] == _files_digest(root / key, skip={"manifest.json"})
+    train = root / _key(root, "train")  # the trained params' bytes and the loss curve
+    shown = _digests_shown(browser, server + f"node/{train.name}.html")
+    losses = [json.loads(line)["loss"] for line in (train / "metrics.jsonl").read_text().splitlines()]
+    assert shown["loss_curve"] == _sha(json.dumps(losses))
+    step, params = _restored_params(train)
+    assert shown[f"params@{step}"] == _sha(b"".join(np.ascontiguousarray(p).tobytes() for p in params))
+    report = json.loads((root / _key(root, "eval") / "eval.json").read_text())  # the eval's numbers
+    report.pop("run")
+    assert _digests_shown(browser, server + f"node/{_key(root, 'eval')}.html")["eval.json"] == _sha(
+        json.dumps(report, sort_keys=True)
+    )
     browser.get(server)
     assert browser.find_element(By.CSS_SELECTOR, "p.summary").text.endswith("0 differ.")
     _shot(browser, "index", tmp_path)

@@ -35,3 +35,31 @@ def test_decontamination_hits_and_filter_drops_show_their_evidence(tmp_path):
     filt = next(n for n in site.nodes if n.kind == "filter")
     page = site.render(f"data/{filt.key}.html")
     assert "dropped by <b class=rule>min_words</b>: measured 3, &gt;= 5" in page
+
+
+def test_a_root_in_a_bucket_is_browsed_and_a_changed_object_marks_its_step(bucket, tmp_path):
+    """A pipeline root in an S3 bucket (moto on 127.0.0.1): browsed from a local copy, every step
+    verified; one byte changed in a published object of the filter step is fetched again and shows
+    ✗ on it and upstream-differs on dedup; the reproduce command names the bucket."""
+    from data_fixtures import pipeline_docs
+
+    from shipyard import storage
+
+    pipeline_docs(tmp_path / "docs.jsonl")
+    (tmp_path / "p.yaml").write_text(
+        "root: out\nsteps:\n"
+        "  - {name: filter, kind: filter, inputs: {documents: docs.jsonl}, config: {profile: prose, min_words: 5}}\n"
+        "  - {name: dedup, kind: dedup, inputs: {documents: '@filter'}}\n"
+    )
+    root = f"{bucket}/root"
+    run_pipeline(str(tmp_path / "p.yaml"), root=root, log=lambda m: None)
+    site = open_site(root, say=lambda m: None)
+    assert [n.status for n in site.nodes] == ["verified", "verified"] and site.source == root
+    filt = next(n for n in site.nodes if n.kind == "filter")
+    assert f"shipyard reproduce {root}/{filt.key} --root FRESH_ROOT" in site.render(f"node/{filt.key}.html")
+    part = f"{root}/{filt.key}/part-00000.jsonl.zst"
+    data = bytearray(storage.read_bytes(part))
+    data[len(data) // 2] ^= 0x01
+    storage.write_bytes(part, bytes(data))
+    site = open_site(root, say=lambda m: None)
+    assert {n.kind: n.status for n in site.nodes} == {"filter": "differs", "dedup": "upstream"}

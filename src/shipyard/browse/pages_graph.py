@@ -40,7 +40,9 @@ def index(site) -> str:
         )
     bad = [n for n in nodes if n.status in ("differs", "upstream")]
     summary = (
-        f"<p class=summary>{len(nodes)} steps under <code>{esc(site.root)}</code>; artifacts re-hashed in "
+        f"<p class=summary>{len(nodes)} steps under <code>{esc(site.source or site.root)}</code>"
+        + (f" (a local copy in <code>{esc(site.root)}</code>)" if site.source else "")
+        + "; artifacts re-hashed in "
         f"{site.verify_seconds:.1f} s: {sum(n.status == 'verified' for n in nodes)} verified, "
         f"{len(bad)} differ.</p>"
     )
@@ -55,7 +57,7 @@ def index(site) -> str:
         compare = "<h2>Compare runs</h2><ul>" + "".join(pairs) + "</ul>"
     tools = '<p><a href="model.html">model playground</a> · <a href="trace.html">trace text to training data</a></p>'
     body = summary + svg + tools + table(["status", "kind", "step", "wall", "views"], rows, "nodes") + compare
-    return page(str(site.root), body, "")
+    return page(str(site.source or site.root), body, "")
 
 
 def _views(n, base: str) -> str:
@@ -150,4 +152,5 @@ def node_page(site, n) -> str:
 def _reproduce(site, n) -> str:
     if n.kind == "run":
         return f"shipyard train {shlex.quote(str(n.path / 'config.yaml'))}"
-    return f"shipyard reproduce {shlex.quote(str(n.path))} --root FRESH_ROOT"
+    where = f"{site.source}/{n.key}" if site.source else str(n.path)
+    return f"shipyard reproduce {shlex.quote(where)} --root FRESH_ROOT"

@@ -29,6 +29,8 @@ class Site:
     nodes: list[Node]
     verify_seconds: float = 0.0
     live: bool = False
+    source: str | None = None
+    """The bucket URL `root` is a local copy of (None: `root` is the root itself)."""
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -90,10 +92,18 @@ class Site:
         return out
 
 
-def open_site(root: str | Path, verify: bool = True, live: bool = False) -> Site:
-    """The site of `root`: its nodes scanned and (with `verify`) re-hashed."""
+def open_site(root: str | Path, verify: bool = True, live: bool = False, say=print) -> Site:
+    """The site of `root` (a directory, or a bucket URL: browsed from a local copy, browse/mirror.py):
+    its nodes scanned and (with `verify`) re-hashed."""
+    from shipyard import storage
+
+    source = None
+    if storage.is_url(str(root)):
+        from shipyard.browse.mirror import mirror
+
+        source, root = str(root).rstrip("/"), mirror(str(root), say)
     nodes = graph.scan(Path(root))
     t0 = time.perf_counter()
     if verify:
         nodes = graph.verify(nodes)
-    return Site(Path(root), nodes, time.perf_counter() - t0, live)
+    return Site(Path(root), nodes, time.perf_counter() - t0, live, source=source)

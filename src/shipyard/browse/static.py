@@ -14,11 +14,12 @@ from shipyard.errors import DataError
 from shipyard.output import progress
 
 
-def check_output(root: Path, out: Path) -> None:
-    """DataError unless `out` is a new directory outside `root` (checked before any work)."""
+def check_output(root: Path | None, out: Path) -> None:
+    """DataError unless `out` is a new directory outside `root` (None: a bucket root), checked
+    before any work."""
     if out.exists():
         raise DataError(f"browse --static: {out} already exists; give a new directory")
-    if out.resolve().is_relative_to(Path(root).resolve()):
+    if root is not None and out.resolve().is_relative_to(Path(root).resolve()):
         raise DataError(f"browse --static: {out} is inside ROOT {root}; the browser writes nothing there")
 
 

@@ -15,22 +15,20 @@ def _cmd_browse(args) -> int:
     for flag, value in (("ROOT", args.root), ("--static", args.static)):
         if value is not None and "\x00" in str(value):
             raise ConfigError(f"{flag}: {str(value)!r} holds a NUL byte; expected a directory path")
-    if storage.is_url(str(args.root)):
-        raise ConfigError(
-            f"browse: {storage.redact(str(args.root))} is a bucket URL; browse reads a local directory "
-            "(copy the root to a local directory and browse that)"
-        )
 
     if args.static is None and not 0 < args.port < 65536:
         raise ConfigError(f"--port: {args.port} is not a port number; expected 1..65535")
+    url = storage.is_url(str(args.root))
     if args.static is not None:
         from shipyard.browse.static import check_output
 
-        check_output(Path(args.root), args.static)  # (before the minutes a large root may take)
-    site = open_site(Path(args.root), verify=not args.no_verify, live=args.static is None)
+        check_output(None if url else Path(args.root), args.static)  # (before any slow work)
+    root = str(args.root) if url else Path(args.root)
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    site = open_site(root, verify=not args.no_verify, live=args.static is None, say=say)
     bad = [n.key for n in site.nodes if n.status in ("differs", "upstream")]
     print(
-        f"browse: {len(site.nodes)} steps of {args.root} re-hashed in {site.verify_seconds:.1f} s"
+        f"browse: {len(site.nodes)} steps of {storage.redact(str(args.root))} re-hashed in {site.verify_seconds:.1f} s"
         + (f"; {len(bad)} differ: {', '.join(bad)}" if bad else ""),
         file=sys.stderr,
     )
@@ -46,7 +44,7 @@ def _cmd_browse(args) -> int:
     from shipyard.browse.server import serve
 
     where = f"http://{args.host}:{args.port}/" + (f"?token={args.token}" if args.token else "")
-    print(f"browse: serving {args.root} at {where}", file=sys.stderr)
+    print(f"browse: serving {storage.redact(str(args.root))} at {where}", file=sys.stderr)
     serve(site, args.host, args.port, args.token)
     return 0
 
