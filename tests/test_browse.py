@@ -181,6 +181,10 @@ def test_every_link_resolves_and_every_hash_shown_is_the_file_s(root, server, br
     assert _digests_shown(browser, server + f"node/{_key(root, 'eval')}.html")["eval.json"] == _sha(
         json.dumps(report, sort_keys=True)
     )
+    browser.get(server + "evals.html")  # the root's evaluations on one page
+    cells = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "td")]
+    bpb = report["domains"]["heldout"]["bits_per_byte"]
+    assert f"{bpb:.4g}" in cells and f"{report['unigram_baseline']['bits_per_byte']:.4g}" in cells
     browser.get(server)
     assert browser.find_element(By.CSS_SELECTOR, "p.summary").text.endswith("0 differ.")
     _shot(browser, "index", tmp_path)

@@ -63,3 +63,25 @@ def test_a_root_in_a_bucket_is_browsed_and_a_changed_object_marks_its_step(bucke
     storage.write_bytes(part, bytes(data))
     site = open_site(root, say=lambda m: None)
     assert {n.kind: n.status for n in site.nodes} == {"filter": "differs", "dedup": "upstream"}
+
+
+def test_an_rl_run_shows_its_reward_curves_and_held_out_reward_and_no_loader_batches(tmp_path):
+    """An RL run directory (rl.yaml, metrics.jsonl as `shipyard rl` writes them) as ROOT: the reward
+    and KL curves, the held-out reward on the evaluations page, and no batch pages (its batches are
+    rollouts)."""
+    import yaml
+
+    run = tmp_path / "rl-run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {}, "train": {"steps": 4}}))
+    (run / "rl.yaml").write_text(yaml.safe_dump({"task": "add", "steps": 4}))
+    lines = [{"step": 0, "eval_reward": 0.25, "eval_pass@1": 0.25}]
+    lines += [{"step": s, "reward_mean": 0.1 * s, "kl_ref": 0.01 * s, "kl_rollout": 0.0} for s in (1, 2, 3)]
+    lines += [{"step": 4, "reward_mean": 0.4, "kl_ref": 0.04, "kl_rollout": 0.0, "eval_reward": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    site = open_site(run)
+    page = site.render(f"run/{run.name}.html")
+    assert "reward (RL)" in page and "reward_mean" in page and "KL (RL)" in page
+    assert "rollouts" in page and not [p for p in site.static_paths() if p.startswith("batch/")]
+    assert site.render(f"batch/{run.name}/1.html") is None
+    assert "<td>0.5</td>" in site.render("evals.html")

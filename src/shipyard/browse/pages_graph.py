@@ -55,7 +55,10 @@ def index(site) -> str:
             for b in runs[i + 1 :]
         ]
         compare = "<h2>Compare runs</h2><ul>" + "".join(pairs) + "</ul>"
-    tools = '<p><a href="model.html">model playground</a> · <a href="trace.html">trace text to training data</a></p>'
+    tools = (
+        '<p><a href="evals.html">evaluations</a> · <a href="model.html">model playground</a> · '
+        '<a href="trace.html">trace text to training data</a></p>'
+    )
     body = summary + svg + tools + table(["status", "kind", "step", "wall", "views"], rows, "nodes") + compare
     return page(str(site.source or site.root), body, "")
 

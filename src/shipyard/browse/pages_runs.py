@@ -55,8 +55,16 @@ def _config(run: Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
+def is_rl(node) -> bool:
+    """An RL run (`shipyard rl`'s OUT): its batches are rollouts, not the loader's rows."""
+    return (node.path / "rl.yaml").is_file()
+
+
 def shown_steps(node) -> list[int]:
-    """The steps whose batch pages a static site holds: the first, the middle, the last."""
+    """The steps whose batch pages a static site holds: the first, the middle, the last (none for an
+    RL run)."""
+    if is_rl(node):
+        return []
     steps = _config(node.path).get("train", {}).get("steps") or 1
     return sorted({0, steps // 2, max(steps - 1, 0)})
 
@@ -73,7 +81,9 @@ def run_page(site, node) -> str:
     steps = shown_steps(node)
     batches = " · ".join(f'<a href="../batch/{esc(node.key)}/{s}.html">step {s}</a>' for s in steps)
     form = ""
-    if site.live:  # a server computes any step; a static site holds the few above
+    if is_rl(node):
+        batches = "an RL run's batches are its rollouts (metrics.jsonl), not the loader's rows"
+    elif site.live:  # a server computes any step; a static site holds the few above
         form = (
             f'<form class=step data-base="../batch/{esc(node.key)}/"><label>batch at step '
             "<input name=step type=number min=0 value=0></label> <button>show</button></form>"
@@ -97,6 +107,41 @@ def run_page(site, node) -> str:
         + facts
     )
     return page(f"run {node.name}", body, "../", [(f"run/{node.key}.html", node.key)])
+
+
+def evals_page(site) -> str:
+    """Every evaluation in the root, one row per (eval step, domain), in the graph's order: the
+    stages (base -> SFT -> DPO -> RL, as a root has them) side by side."""
+    from shipyard.browse import graph
+
+    depth = graph.depths(site.nodes)
+    rows = []
+    for n in sorted((n for n in site.nodes if n.kind == "eval"), key=lambda n: (depth[n.key], n.key)):
+        path = n.path / "eval.json"
+        if not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        runs = [site.by_key[p] for p in n.parents if site.by_key[p].kind in ("train", "run")]
+        run = f'<a href="run/{esc(runs[0].key)}.html">{esc(runs[0].name)}</a>' if runs else "-"
+        base = (report.get("unigram_baseline") or {}).get("bits_per_byte")
+        for domain, m in report.get("domains", {}).items():
+            rows.append(
+                [run, f'<a href="node/{esc(n.key)}.html">{esc(n.name)}</a>', esc(domain)]
+                + [
+                    esc(f"{m[k]:.4g}") if isinstance(m.get(k), (int, float)) else "-"
+                    for k in ("loss", "bits_per_byte")
+                ]
+                + [esc(f"{base:.4g}") if isinstance(base, (int, float)) else "-", "-"]
+            )
+    rl = [n for n in site.runs() if (n.path / "rl.yaml").is_file()]
+    for n in rl:  # an RL run's own held-out numbers (its metrics.jsonl's last evaluated step)
+        last = next((r for r in reversed(_metrics(n.path)) if "eval_reward" in r), None)
+        if last is not None:
+            rows.append([f'<a href="run/{esc(n.key)}.html">{esc(n.name)}</a>', "rl held-out", esc(f"step {last['step']}"),
+                         "-", "-", "-", esc(f"{last['eval_reward']:.4g}")])  # fmt: skip
+    header = ["run", "evaluation", "domain", "loss", "bits/byte", "unigram bits/byte", "held-out reward"]
+    body = table(header, rows) if rows else "<p>no evaluations in this root</p>"
+    return page("evaluations", body, "", [("evals.html", "evaluations")])
 
 
 def _evals(site, node) -> str:

@@ -2,7 +2,7 @@
 get them from, so the two cannot differ.
 
 A `Site` is built once per root: the nodes scanned and their artifacts re-hashed (browse/graph.py).
-Page paths are relative to the site's top (index.html, node/<key>.html, data/<key>.html,
+Page paths are relative to the site's top (index.html, evals.html, node/<key>.html, data/<key>.html,
 run/<key>.html, batch/<key>/<step>.html, compare/<a>__<b>.html, model.html, trace.html);
 `Site.render` returns a page's HTML (or None), `static_paths()` lists what a static site holds (the
 batch pages of a few steps per run: a server renders any step on request).
@@ -54,6 +54,8 @@ class Site:
             return pages_model.model(self)
         if parts == ["trace.html"]:
             return pages_model.trace(self)
+        if parts == ["evals.html"]:
+            return pages_runs.evals_page(self)
         if len(parts) == 2 and parts[1].endswith(".html"):
             node = self.by_key.get(name)
             if parts[0] == "node" and node is not None:
@@ -69,7 +71,7 @@ class Site:
                     return pages_runs.compare_page(self, runs[a], runs[b])
         if len(parts) == 3 and parts[0] == "batch" and name.isdigit():
             node = self.by_key.get(parts[1])
-            if node is not None and node.kind in RUN_KINDS:
+            if node is not None and node.kind in RUN_KINDS and not pages_runs.is_rl(node):
                 return pages_runs.batch_page(self, node, int(name))
         return None
 
@@ -77,7 +79,7 @@ class Site:
         """Every page of the static site."""
         from shipyard.browse import pages_runs
 
-        out = ["index.html", "model.html", "trace.html"]
+        out = ["index.html", "model.html", "trace.html", "evals.html"]
         for n in self.nodes:
             out.append(f"node/{n.key}.html")
             if n.kind in DATA_KINDS:
