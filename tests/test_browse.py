@@ -409,6 +409,11 @@ def test_a_chat_run_of_a_moe_model_shows_its_packed_rows_with_their_loss_mask(tm
             starts = np.count_nonzero(np.diff(rows["segment_ids"][r]))
             assert len(row.find_elements(By.CSS_SELECTOR, "b.seg")) == starts > 0
         _shot(browser, "chat-batch", tmp_path)
+        # the playground chats with it: the prompt rendered with its template, the reply a turn
+        body = {"model": run.name, "prompt": "upper abc", "mode": "chat", "max_tokens": 12}
+        reply = httpx.post(base + "api/complete", json=body, timeout=120).json()
+        assert reply["tokens"] and all(t["top"] for t in reply["tokens"]), reply
+        assert httpx.post(base + "api/complete", json={**body, "mode": "sing"}).status_code == 400
 
 
 def test_a_preference_run_shows_chosen_and_rejected_replies(tmp_path, browser):
