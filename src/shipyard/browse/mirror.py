@@ -16,10 +16,15 @@ from shipyard import storage
 from shipyard.errors import DataError
 
 
-def cache_dir(url: str) -> Path:
+def browse_cache(*parts: str) -> Path:
+    """$XDG_CACHE_HOME/shipyard/<parts> (XDG_CACHE_HOME unset or empty: ~/.cache): where the browser
+    keeps bucket copies and trace indexes."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    return Path(base) / "shipyard" / "browse" / key
+    return Path(base, "shipyard", *parts)
+
+
+def cache_dir(url: str) -> Path:
+    return browse_cache("browse", hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
 
 
 def _listing(url: str) -> str:

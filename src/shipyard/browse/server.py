@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import threading
 from importlib import resources
 from pathlib import Path
@@ -243,12 +242,12 @@ def _page_of(site, path: str) -> str | None:
 def trace_text(m: dict, text: str) -> dict:
     """The spans of `text` found in the run's training shards (browse/trace.py)."""
     from shipyard.browse import trace
+    from shipyard.browse.mirror import browse_cache
 
     if not m["shards"]:
         raise HTTPException(400, "model: this model records no training shards to trace into")
     if m["trace"] is None:
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shipyard" / "trace"
-        m["trace"] = trace.build_index(m["shards"][0], cache)
+        m["trace"] = trace.build_index(m["shards"][0], browse_cache("trace"))
     tok = m["tokenizer"]
     tokens = tok.encode(text, add_special_tokens=False).ids
     if not tokens:
