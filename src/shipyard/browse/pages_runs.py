@@ -234,7 +234,7 @@ def _shared(site, a, b) -> str:
 def _loader(site, node):
     """The run's data as the trainer loads it (cached per site)."""
     key = ("loader", node.key)
-    if key not in site._cache:
+    if key not in site.loaded:
         from shipyard.config import load_config
         from shipyard.data.tokenizer import load_tokenizer
         from shipyard.run.model_dir import tokenizer_of
@@ -243,8 +243,8 @@ def _loader(site, node):
         cfg = load_config(str(node.path / "config.yaml"))
         data = load_data(cfg, say=lambda m: None)
         tok_dir = tokenizer_of(node.path, cfg)
-        site._cache[key] = (cfg, data, load_tokenizer(tok_dir) if tok_dir is not None else None)
-    return site._cache[key]
+        site.loaded[key] = (cfg, data, load_tokenizer(tok_dir) if tok_dir is not None else None)
+    return site.loaded[key]
 
 
 def batch_rows(site, node, step: int) -> dict:

@@ -31,7 +31,8 @@ class Site:
     live: bool = False
     source: str | None = None
     """The bucket URL `root` is a local copy of (None: `root` is the root itself)."""
-    _cache: dict = field(default_factory=dict)
+    loaded: dict = field(default_factory=dict)
+    """What the pages loaded once and reuse (a run's data loader and tokenizer)."""
 
     @property
     def by_key(self) -> dict[str, Node]:
