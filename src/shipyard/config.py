@@ -126,8 +126,8 @@ class ModelConfig(Schema):
     """Activation rematerialisation per block: none (keep all), full (recompute all), save_dots (keep matmul outputs)."""
     scan_unroll: int = Field(1, gt=0)
     """Layers per lax.scan iteration on the CPU backend; >= num_layers unrolls fully (faster on CPU for shallow models, slower to compile deep ones). Other backends always run the rolled scan (1), whatever this says."""
-    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"
-    """Training attention core: reference (scores and softmax over the whole [seq, seq] matrix), blocked (flash-style online softmax over attention_block tiles in plain JAX, any backend, memory linear in seq), cudnn (cuDNN flash attention via jax.nn.dot_product_attention: GPU, bf16/fp16, no segment ids), splash (Pallas splash attention: TPU); auto picks cudnn on GPU and splash on TPU where they apply, else blocked, and on CPU reference for short sequences (blocked from model.attention.BLOCKED_FROM_SEQ tokens)."""
+    attention_impl: Literal["auto", "reference", "ordered", "blocked", "cudnn", "splash"] = "auto"
+    """Training attention core: reference (scores and softmax over the whole [seq, seq] matrix), ordered (reference's math with every sum over keys taken in key order: on CPU the serving engine's cached steps then give each query the full forward's bits; `shipyard rl` uses it there, and the engine's steps follow it), blocked (flash-style online softmax over attention_block tiles in plain JAX, any backend, memory linear in seq), cudnn (cuDNN flash attention via jax.nn.dot_product_attention: GPU, bf16/fp16, no segment ids), splash (Pallas splash attention: TPU); auto picks cudnn on GPU and splash on TPU where they apply, else blocked, and on CPU reference for short sequences (blocked from model.attention.BLOCKED_FROM_SEQ tokens)."""
     attention_block: int = Field(512, gt=0)
     """Query and key tile length of blocked (and splash) attention; sequences that are not a multiple are padded up to one."""
     moe: MoEConfig | None = None

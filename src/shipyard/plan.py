@@ -209,7 +209,7 @@ def _attention_keys(cfg: Config, sizes: dict[str, int], device: Device) -> tuple
     segments = d.document_masking or d.chat is not None or d.preference is not None
     dtype = jnp.dtype(cfg.train.precision.compute_dtype)
     impl = attention_impl(cfg.model, _BACKENDS.get(device.name, "cpu"), int(keys), dtype, segments)
-    return (keys if impl == "reference" else min(keys, cfg.model.attention_block)), impl
+    return (keys if impl in ("reference", "ordered") else min(keys, cfg.model.attention_block)), impl
 
 
 _BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu"}

@@ -59,6 +59,8 @@ FIELDS = frozenset(
         "init_std",
         "remat",
         "scan_unroll",
+        "attention_impl",  # (training's core; the one decode follows, `ordered`, self_attention takes)
+        "attention_block",
     ]
 )
 BLOCK_PARAMS = frozenset(

@@ -358,11 +358,14 @@ def _steps(
     return out, rows, caches
 
 
-def _prefill_pieces(params, tokens, start, store, hit_ids, hit_count, put, piece: int, S: int, cfg, kv_dtype):
+def _prefill_pieces(
+    params, tokens, start, store, hit_ids, hit_count, put, piece: int, S: int, cfg, kv_dtype, aligned=False
+):
     """`_admit`'s prefill of prompts longer than a piece: left-aligned (tokens [m, P], zeros after), in
     pieces of `piece` tokens over an S-slot scratch cache, then moved to the decode row's layout
-    (left-padded to P). With a store, pieces [0, hit_count) come from its blocks `hit_ids` and piece
-    j is kept in block put[j]. Returns (the last prompt tokens' logits [m, vocab], cache, store)."""
+    (left-padded to P; `aligned`: kept left-aligned). With a store, pieces [0, hit_count) come from
+    its blocks `hit_ids` and piece j is kept in block put[j]. Returns (the last prompt tokens' logits
+    [m, vocab], cache, store)."""
     m, P = tokens.shape
     lengths = P - start
     tokens = jnp.pad(tokens, ((0, 0), (0, S - P)))
@@ -386,6 +389,8 @@ def _prefill_pieces(params, tokens, start, store, hit_ids, hit_count, put, piece
     scratch, logits = jax.lax.fori_loop(first, jnp.max(last) + 1, step, (scratch, logits))
     if store is not None:
         store = keep(store, scratch, put)
+    if aligned:
+        return logits, KVCache(scratch.k[:, :, :P], scratch.v[:, :, :P]), store
     idx = jnp.arange(P)[None, :] - start[:, None]  # prompt i at slots start[i]..P-1, zeros before
 
     def shift(buf):
@@ -419,6 +424,7 @@ def _admit(
     chunk,
     plain=False,
     sampling_logprobs=False,
+    aligned=False,
 ):
     """Prefill m distinct prompts (tokens [m, P], row i's prompt at slots 0..P-start[i]-1, zeros
     after) once each, and start k requests on them: request j continues prompt src[j] in cache row
@@ -435,7 +441,9 @@ def _admit(
     at slots start[i]..P-1) and are prefilled in one forward into the decode row's layout. A longer
     one comes left-aligned (row i's prompt at slots 0..P-start[i]-1) and is computed in pieces on a
     fixed grid (`_prefill_pieces`, `prefix_cache.prefill_grid`), each piece attending over the pieces
-    before it; with the prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
+    before it. `aligned` (static; `Engine.training_numerics`): every prompt comes left-aligned
+    (start[i] is then its row's count of trailing pads) and stays so in its decode row. With the
+    prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
     `hit_count` pieces come from store blocks `hit_ids` and are not computed, and piece j is kept
     in store block put[j] afterwards. (The one-piece path is the layout the engine had before
     pieces: it compiles and runs as fast as then, and a prompt of one piece never uses the store.)
@@ -445,14 +453,20 @@ def _admit(
     piece, span = prefill_grid(P, chunk)
     # The prompt's cache is its bucket long, not max_len: its attention covers only the keys the
     # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
-    if span == piece:  # one piece, already left-padded (`Engine._start`): straight into the decode layout
+    zero = jnp.zeros_like(start)
+    if span == piece and aligned:  # one piece, left-aligned: each row's logits at its last token
+        logits, cache = forward_cached(
+            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, zero, cfg, logits_at=P - start - 1
+        )
+        logits = logits[:, 0]
+    elif span == piece:  # one piece, already left-padded (`Engine._start`): straight into the decode layout
         logits, cache = forward_cached(
             params, tokens, init_cache(cfg, m, P, kv_dtype), 0, start, cfg, last_only=True
         )
         logits = logits[:, -1]
     else:
         logits, cache, store = _prefill_pieces(
-            params, tokens, start, store, hit_ids, hit_count, put, piece, span, cfg, kv_dtype
+            params, tokens, start, store, hit_ids, hit_count, put, piece, span, cfg, kv_dtype, aligned
         )
     logits = logits[src]
     token, key = pick_tokens(
@@ -474,7 +488,11 @@ def _admit(
         return jax.tree.map(put, caches, prefilled)
 
     caches = jax.lax.fori_loop(0, count, write, caches)
-    new = (token, jnp.full(src.shape[0], P, jnp.int32), start[src], key, temperature, top_k, top_p)
+    if aligned:  # each row goes on after its own last token; no pads before it
+        pos, first = P - start[src], zero[src]
+    else:
+        pos, first = jnp.full(src.shape[0], P, jnp.int32), start[src]
+    new = (token, pos, first, key, temperature, top_k, top_p)
     rows = Rows(*(field.at[slots].set(value, mode="drop") for field, value in zip(rows, new)))
     return token, logprobs, rows, caches, store
 
@@ -512,6 +530,7 @@ class Engine:
         draft=None,
         sampling_logprobs: bool = False,
         share_prefill: bool = True,
+        training_numerics: bool = False,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.max_seq_len:
@@ -544,6 +563,13 @@ class Engine:
         """Requests that ask for log-probs get those of the distribution each token was drawn from
         (temperature, top-k, top-p applied: `sampling.sampling_logits`) instead of the model's own:
         what RL's importance ratio needs (rl/rollout.py)."""
+        self.training_numerics = training_numerics
+        """Rows laid out as the trainer's (each prompt left-aligned in its cache row, not left-padded:
+        `model.attention.attend` sums keys in blocks counted from slot 0) and the prefill compiled
+        with the decode step's XLA options (`decode_compiler_options`; on CPU: no YNNPACK fusions,
+        whose products round a row by how many rows share the call), so each token's logits are
+        bitwise what the trainer's full forward compiled with the same options gives (RL's engine
+        mode, rl/step.py; tests/test_rl.py). Costs prefill speed on long prompts."""
         self.fixed_shape = fixed_shape
         """Every decode call covers all rows and slots: one compiled shape, so a row's arithmetic (and
         its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster
@@ -603,9 +629,11 @@ class Engine:
                 batch_axis=batch_axis,
                 chunk=prefill_chunk,
                 sampling_logprobs=sampling_logprobs,
+                aligned=training_numerics,
             ),
             donate_argnums=(1, 2, 11),
             static_argnames=("plain",),
+            compiler_options=decode_compiler_options(self.params) if training_numerics else None,
         )
         self._decode = jax.jit(
             partial(
@@ -1219,7 +1247,7 @@ class Engine:
         start = np.full(m, P - 1, np.int32)
         for i, p in enumerate(prompts):
             start[i] = P - len(p)
-            if span == piece:
+            if span == piece and not self.training_numerics:
                 tokens[i, start[i] :] = p
             else:
                 tokens[i, : len(p)] = p
@@ -1266,7 +1294,8 @@ class Engine:
         for i, (r, slot) in enumerate(zip(requests, free)):
             if r.finished:  # its grammar failed before its first token
                 continue
-            self._slots[slot], self._pos[slot] = r, P
+            self._slots[slot] = r
+            self._pos[slot] = len(r.prompt) if self.training_numerics else P
             if self.speculate:
                 r.context = list(r.prompt)
             lp = (float(host[0][i]), list(zip(host[2][i].tolist(), host[1][i].tolist()))) if host else None

@@ -193,10 +193,13 @@ def contract(x: jax.Array, x_spec: str, y: jax.Array, y_spec: str, out_spec: str
     return out if got == list(out_spec) else out.transpose([got.index(c) for c in out_spec])
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: CacheLayout = SEQ_MAJOR):
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: CacheLayout = SEQ_MAJOR, ordered=False
+):
     """Softmax(q k^T / sqrt(D)) v over the keys `seen` [batch or 1, T, S] allows: [batch, T, kv_heads, group, D].
 
-    q [batch, T, kv_heads, group, D]; k and v laid out per `layout`.
+    q [batch, T, kv_heads, group, D]; k and v laid out per `layout`. `ordered`: the same softmax
+    summed in key order (`model.attention_impl: ordered`, `_attend_ordered`).
     """
 
     def product(a, a_spec, b, b_spec, out_spec, **kw):
@@ -204,11 +207,66 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, layout: Ca
             return contract(b, b_spec, a, a_spec, out_spec, **kw)
         return contract(a, a_spec, b, b_spec, out_spec, **kw)
 
+    if ordered:
+        return _attend_ordered(q, k, v, seen, layout, product)
     scores = product(q, "btkgd", k, layout.k, "bkgts", preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(q.shape[-1]))
     scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return product(probs, "bkgts", v, layout.v, "btkgd")
+
+
+def _attend_ordered(q, k, v, seen, layout: CacheLayout, product):
+    """`attend` with every sum over keys taken in key order, the same bits whatever the sequence.
+
+    The keys are taken in blocks of KEY_BLOCK (the last one padded with masked keys), the softmax's
+    denominator is a matrix product like the values' (normalised after it), and the blocks' results
+    are added in key order. On CPU a product sums a block's terms in key order whatever the number
+    of keys, queries or masked slots around them (a masked key adds an exact 0), where a reduce sums
+    in lanes that depend on them and a longer product is cut up by its sizes. So the serving engine's
+    steps over a cache and the trainer's forward over the whole sequence compute each query's
+    attention bit for bit alike (RL's on-policy check, tests/test_rl.py), if their rows start at the
+    same slot. On CPU it costs about half again the reference core's time under YNNPACK fusions
+    (a sixth without them): RL opts in, training does not.
+    """
+    S = seen.shape[-1]
+    c = min(S, KEY_BLOCK)
+    n = -(-S // c)
+    if n * c > S:  # pad the last block with masked keys
+        k, v = (_pad_slots(x, spec, n * c) for x, spec in ((k, layout.k), (v, layout.v)))
+        seen = jnp.pad(seen, ((0, 0), (0, 0), (0, n * c - S)))
+    k, v = _split_slots(k, layout.k, n, c), _split_slots(v, layout.v, n, c)
+    k_spec, v_spec = layout.k.replace("s", "nc"), layout.v.replace("s", "nc")
+    seen = seen.reshape(*seen.shape[:2], n, c).transpose(0, 2, 1, 3)[:, None, :, None]  # b 1 n 1 t c
+    scores = product(q, "btkgd", k, k_spec, "bkngtc", preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(q.shape[-1]))
+    scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=(2, 5), keepdims=True))
+    weights = jnp.exp(scores - top)
+    ones = jnp.ones((c, 2), weights.dtype)  # (one column would make it a reduce again)
+    total = contract(weights, "bkngtc", ones, "cx", "bkngtx")[..., :1]
+    out = product(weights.astype(v.dtype), "bkngtc", v, v_spec, "bkngtd")
+    out = jnp.sum(out, axis=2) / jnp.sum(total, axis=2).astype(out.dtype)  # blocks in key order
+    return out.transpose(0, 3, 1, 2, 4)
+
+
+KEY_BLOCK = 64
+"""Keys per block of `attend`'s products: short enough that no CPU product of one block is cut up
+along the keys (products of about 100 keys and more were, depending on their other sizes)."""
+
+
+def _pad_slots(x: jax.Array, spec: str, slots: int) -> jax.Array:
+    """x (axes named by `spec`) with zeros after its slots ("s") up to `slots`."""
+    widths = [(0, 0)] * x.ndim
+    at = spec.index("s")
+    widths[at] = (0, slots - x.shape[at])
+    return jnp.pad(x, widths)
+
+
+def _split_slots(x: jax.Array, spec: str, n: int, c: int) -> jax.Array:
+    """x with its slot axis ("s" in `spec`) split into n blocks of c."""
+    at = spec.index("s")
+    return x.reshape(*x.shape[:at], n, c, *x.shape[at + 1 :])
 
 
 def attention_impl(cfg: ModelConfig, backend: str, seq_len: int, dtype, segments: bool) -> str:
@@ -249,9 +307,9 @@ def causal_attention(
     """
     T = q.shape[1]
     impl = attention_impl(cfg, jax.default_backend(), T, q.dtype, segment_ids is not None)
-    if impl == "reference":
+    if impl in ("reference", "ordered"):
         slots = jnp.arange(T)
-        return attend(q, k, v, mask(slots, slots, window, segment_ids))
+        return attend(q, k, v, mask(slots, slots, window, segment_ids), ordered=impl == "ordered")
     if impl == "blocked":
         return blocked_attention.attention(q, k, v, segment_ids, window, block=cfg.attention_block)
     if impl == "cudnn":
@@ -316,7 +374,8 @@ def self_attention(
     if cache is not None:
         cache = update_cache(cache, k, v, pos, layout)
         k, v = cache
-    return project_out(w, attend(q, k, v, seen, layout), key), cache
+    out = attend(q, k, v, seen, layout, ordered=cfg.attention_impl == "ordered")
+    return project_out(w, out, key), cache
 
 
 def causal_self_attention(

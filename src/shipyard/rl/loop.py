@@ -42,7 +42,7 @@ from shipyard.rl.loss import group_advantages
 from shipyard.rl.placement import placement_for
 from shipyard.rl.report import write_rl_report
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
-from shipyard.rl.step import build_optimizer, make_distribution, make_update
+from shipyard.rl.step import build_optimizer, make_distribution, make_update, on_policy_model
 from shipyard.train.metrics import MetricsWriter
 
 EVAL_SEED = 0x5EED
@@ -152,7 +152,8 @@ def run_rl(
             f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "
             f"{cfg.model.max_seq_len}; lower max_tokens"
         )
-    place = placement_for(cfg.model, rl, length)
+    model = on_policy_model(cfg.model, length)  # the trainer's and the engine's (OUT keeps cfg.model)
+    place = placement_for(model, rl, length)
     partition = place.partition
     trainable, frozen = place.put(
         partition.initial(params, jax.random.key(rl.seed)), partition.frozen(params)
@@ -160,20 +161,21 @@ def run_rl(
     del params  # (full training: `trainable` is it; otherwise `frozen` holds what the adapters go on)
     engine = Engine(
         place.engine_params(trainable, frozen),
-        cfg.model,
+        model,
         max_batch=rl.max_batch,
         max_len=length,
         sampling_logprobs=True,
         share_prefill=rl.shared_prefill,
+        training_numerics=True,
     )
     optimizer = build_optimizer(rl)
     opt_state = optimizer.init(trainable)
-    update = make_update(cfg.model, rl, optimizer, partition, place.layout)
+    update = make_update(model, rl, optimizer, partition, place.layout)
     # the KL's reference: the starting trainable part (with LoRA: the starting adapters, whose B = 0
     # leaves the frozen model exactly as it was)
     reference = jax.tree.map(jnp.copy, trainable) if rl.beta else None
     rows = rl.prompts_per_step * rl.group_size
-    distribution = make_distribution(cfg.model, rl, partition, place.layout) if rl.fixed_shape else None
+    distribution = make_distribution(model, rl, partition, place.layout) if rl.fixed_shape else None
 
     def groups_of(
         items, step: int, replies: int, temperature: float, salt: int = 0, train: bool = False

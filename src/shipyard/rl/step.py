@@ -9,8 +9,11 @@ A rollout batch is a dict of arrays of one fixed shape (rows padded, so the step
     advantages  [B]       the reply's advantage (rl/loss.py: group_advantages)
 
 The log-probs are log_softmax of `sampling.sampling_logits(logits, temperature, top_k, top_p)`: the
-distribution the engine drew each token from. So at the first optimizer step of a batch the policy
-is the sampler and the importance ratio is 1 up to the two forwards' rounding (tests/test_rl.py).
+distribution the engine drew each token from. The trainer and the engine run one model config
+(`on_policy_model`: on CPU attention's `ordered` core) and compile with the same XLA options
+(`decode_compiler_options`), and the engine lays rows out as the trainer does
+(`Engine(training_numerics=True)`): so every rollout log-prob is bitwise the trainer's, and at the
+first optimizer step of a batch the importance ratio is exactly 1 (tests/test_rl.py).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import numpy as np
 import optax
 
 from shipyard.config import ModelConfig, RLConfig
+from shipyard.inference.engine import decode_compiler_options
 from shipyard.inference.sampling import sampling_logits
-from shipyard.model import transformer
+from shipyard.model import attention, transformer
 from shipyard.model.partition import Partition
 from shipyard.rl.loss import policy_loss
 
@@ -46,6 +50,18 @@ def token_logps(params, tokens: jax.Array, cfg: ModelConfig, temperature, top_k,
     p = jnp.exp(logp_all)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
     return chosen, entropy
+
+
+def on_policy_model(cfg: ModelConfig, length: int) -> ModelConfig:
+    """The model config RL's trainer and rollout engine both run for sequences of `length` tokens: on
+    CPU, where attention would be the reference core, the `ordered` one (model/attention.py), whose
+    sums over keys the engine's cached steps repeat bit for bit. Elsewhere `cfg` as it is: a GPU's
+    or TPU's kernels give no such promise, and `blocked` (long sequences) keeps its memory bound."""
+    if jax.default_backend() != "cpu":
+        return cfg
+    if attention.attention_impl(cfg, "cpu", length, jnp.float32, False) != "reference":
+        return cfg
+    return cfg.model_copy(update={"attention_impl": "ordered"})
 
 
 def build_optimizer(rl: RLConfig) -> optax.GradientTransformation:
@@ -98,7 +114,8 @@ def make_update(
         metrics = {**metrics, "loss": value, "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(trainable, updates), opt_state, metrics
 
-    return jax.jit(update, donate_argnums=(0, 1))
+    # compiled as the engine's steps are (`make_distribution`): the ratio of a batch's first step is 1
+    return jax.jit(update, donate_argnums=(0, 1), compiler_options=decode_compiler_options())
 
 
 def make_distribution(cfg: ModelConfig, rl: RLConfig, partition: Partition | None = None, layout=None):
@@ -111,7 +128,9 @@ def make_distribution(cfg: ModelConfig, rl: RLConfig, partition: Partition | Non
         params = partition.merge(trainable, frozen)
         return token_distribution(params, tokens, cfg, rl.temperature, rl.top_k, rl.top_p, layout)
 
-    return jax.jit(distribution)
+    # compiled as the engine's steps are (`Engine(training_numerics=True)`): its rows then round as
+    # the engine's cached steps do, so engine-mode rollouts' log-probs are bitwise these too
+    return jax.jit(distribution, compiler_options=decode_compiler_options())
 
 
 def make_logps(cfg: ModelConfig, rl: RLConfig, partition: Partition | None = None, layout=None):
