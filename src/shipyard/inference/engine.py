@@ -441,7 +441,7 @@ def _admit(
     at slots start[i]..P-1) and are prefilled in one forward into the decode row's layout. A longer
     one comes left-aligned (row i's prompt at slots 0..P-start[i]-1) and is computed in pieces on a
     fixed grid (`_prefill_pieces`, `prefix_cache.prefill_grid`), each piece attending over the pieces
-    before it. `aligned` (static; `Engine.training_numerics`): every prompt comes left-aligned
+    before it. `aligned` (static; an Engine built with training_numerics): every prompt comes left-aligned
     (start[i] is then its row's count of trailing pads) and stays so in its decode row. With the
     prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
     `hit_count` pieces come from store blocks `hit_ids` and are not computed, and piece j is kept
