@@ -135,7 +135,7 @@ def test_fixed_shape_rollout_log_probs_are_the_trainer_s_bit_for_bit(model):
 
 def test_the_update_on_a_data_x_fsdp_mesh_equals_one_device(model):
     """Two optimizer steps (full training and LoRA, with the KL term) on a 2 x 4 CPU mesh: the same
-    losses, metrics and params as on one device, within 1e-5."""
+    losses and metrics as on one device within 1e-5, and the same params (see below)."""
     from shipyard.rl.placement import placement_for
     from shipyard.rl.rollout import build_batch
     from shipyard.rl.step import build_optimizer, make_update
@@ -170,8 +170,12 @@ def test_the_update_on_a_data_x_fsdp_mesh_equals_one_device(model):
         for a, b in zip(one, sharded):
             for k in a:
                 assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (extra, k, a[k], b[k])
+        # params within a tenth of one Adam step (lr 1e-3): Adam moves a weight whose gradient is
+        # ~0 by lr x g / |g|, so the two programs' rounding of a ~1e-9 gradient shows there (one
+        # embedding entry of 24,576 measured 2.6e-5 off); all but 0.1% within 1e-6
         for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
-            np.testing.assert_allclose(x, y, atol=1e-5)
+            np.testing.assert_allclose(x, y, atol=1e-4)
+            assert np.mean(np.abs(x - y) > 1e-6) < 1e-3
 
 
 def test_a_reward_past_its_time_limit_is_zero_counted_and_said(tmp_path):
