@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "shipyard.output",
             "shipyard.cpu_tuning",
             "shipyard.storage",
+            "shipyard.user_cache",
         ),
     ),
     ("parallel", ("shipyard.parallel",)),

@@ -118,3 +118,46 @@ def test_packed_documents_see_only_themselves(overrides):
     for doc, alone in zip(docs, _full_forward(params, cfg, follow)):
         _close(packed[at : at + len(doc)], alone, f"document at {at}")
         at += len(doc)
+
+
+def test_the_ordered_core_is_the_softmax_and_gives_a_cached_query_the_full_forward_s_bits():
+    """`attend(..., ordered=True)` (`model.attention_impl: ordered`) over 150 keys (three key blocks,
+    the last padded), GQA, a window and packed documents: the reference softmax's values and
+    gradients within 1e-5. And one query over a longer cache holding its keys from slot 0 (the
+    slots after them masked), in either cache layout, gets bitwise the full forward's row for it at
+    every length (the property RL's on-policy rollouts rest on; tests/test_rl.py)."""
+    from shipyard.inference.engine import decode_compiler_options
+    from shipyard.model import attention
+
+    B, T, K, G, D, S = 2, 150, 2, 2, 16, 200
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in
+               ((B, T, K, G, D), (B, T, K, D), (B, T, K, D)))  # fmt: skip
+    slots = jnp.arange(T)
+    segments = jnp.asarray(np.repeat([[0, 1]], B, 0).repeat([90, 60], axis=1))
+    seen = attention.mask(slots, slots, 37, segments)
+    weight = jnp.asarray(rng.normal(size=(B, T, K, G, D)), jnp.float32)
+
+    def loss(q, k, v, ordered):
+        return jnp.sum(attention.attend(q, k, v, seen, ordered=ordered) * weight)
+
+    grads = [jax.jit(jax.value_and_grad(partial(loss, ordered=o), (0, 1, 2)))(q, k, v) for o in (False, True)]
+    (ref_value, ref_grads), (value, got) = grads
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for a, b in zip(got, ref_grads):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    # no YNNPACK fusions on either side, as `shipyard rl` compiles them
+    jit = partial(jax.jit, compiler_options=decode_compiler_options())
+    full = np.asarray(jit(partial(attention.attend, ordered=True))(q, k, v, attention.mask(slots, slots)))
+    cache_k, cache_v = (jnp.pad(x, ((0, 0), (0, S - T), (0, 0), (0, 0))) for x in (k, v))
+    layouts = {
+        "seq-major": (attention.SEQ_MAJOR, cache_k, cache_v),
+        "head-major": (attention.HEAD_MAJOR, cache_k.transpose(0, 2, 3, 1), cache_v.transpose(0, 2, 1, 3)),
+    }
+    for name, (layout, ck, cv) in layouts.items():
+        step = jit(partial(attention.attend, layout=layout, ordered=True))
+        for n in (1, 30, 64, 65, 99, 128, 129, 150):
+            seen_n = (jnp.arange(S) < n)[None, None, :]
+            row = np.asarray(step(q[:, n - 1 : n], ck, cv, seen_n))[:, 0]
+            assert np.array_equal(row, full[:, n - 1]), (name, n)

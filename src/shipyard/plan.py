@@ -197,8 +197,8 @@ def _quantized_base(frozen_specs, mode: str, local) -> dict:
 def _attention_keys(cfg: Config, sizes: dict[str, int], device: Device) -> tuple[float, str]:
     """(keys whose fp32 scores and probabilities exist at once per query row, the kernel that runs).
 
-    The reference attention holds every key of the sequence (of the local chunk under context
-    parallelism, one ring step at a time); the blocked, cuDNN and splash kernels one key block.
+    The reference (and ordered) attention holds every key of the sequence (of the local chunk under
+    context parallelism, one ring step at a time); the blocked, cuDNN and splash kernels one key block.
     """
     import jax.numpy as jnp
 

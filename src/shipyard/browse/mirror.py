@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 from shipyard import storage
 from shipyard.errors import DataError
+from shipyard.user_cache import user_cache
 
 
 def browse_cache(*parts: str) -> Path:
-    """$XDG_CACHE_HOME/shipyard/<parts> (XDG_CACHE_HOME unset or empty: ~/.cache): where the browser
-    keeps bucket copies and trace indexes."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "shipyard", *parts)
+    """`user_cache(*parts)`: where the browser keeps bucket copies and trace indexes."""
+    return user_cache(*parts)
 
 
 def cache_dir(url: str) -> Path:

@@ -40,6 +40,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from shipyard.user_cache import user_cache
+
 RACY_NS = 2_000_000_000
 """A file modified this recently (ns) before it is hashed is not remembered (see sha256_files)."""
 
@@ -54,9 +56,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 def cache_root() -> Path:
-    """$XDG_CACHE_HOME/shipyard/sha256 (XDG_CACHE_HOME defaults to ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shipyard" / "sha256"
+    """$XDG_CACHE_HOME/shipyard/sha256 (`user_cache`)."""
+    return user_cache("sha256")
 
 
 def _cache_file(directory: str | Path) -> Path:

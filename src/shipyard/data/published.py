@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 from shipyard import storage
 from shipyard.data.hashcache import sha256_files
 from shipyard.errors import DataError
+from shipyard.user_cache import user_cache
 
 
 def cache_dir(kind: str) -> Path:
-    """$XDG_CACHE_HOME/shipyard/<kind> (XDG_CACHE_HOME defaults to ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shipyard" / kind
+    """$XDG_CACHE_HOME/shipyard/<kind> (`user_cache`)."""
+    return user_cache(kind)
 
 
 def fetch_published(

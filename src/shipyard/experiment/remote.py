@@ -19,7 +19,6 @@ checked against the artifact digests its provenance records before anything read
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -28,12 +27,12 @@ from shipyard import storage
 from shipyard.errors import ConfigError, DataError
 from shipyard.experiment.steps import digest
 from shipyard.storage import MARKER, StorageError
+from shipyard.user_cache import user_cache
 
 
 def staging_root() -> Path:
-    """$XDG_CACHE_HOME/shipyard/pipeline (XDG_CACHE_HOME defaults to ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shipyard" / "pipeline"
+    """$XDG_CACHE_HOME/shipyard/pipeline (`user_cache`)."""
+    return user_cache("pipeline")
 
 
 def staging_dir(step_dir: str) -> Path:

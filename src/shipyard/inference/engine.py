@@ -565,11 +565,12 @@ class Engine:
         what RL's importance ratio needs (rl/rollout.py)."""
         self.training_numerics = training_numerics
         """Rows laid out as the trainer's (each prompt left-aligned in its cache row, not left-padded:
-        `model.attention.attend` sums keys in blocks counted from slot 0) and the prefill compiled
+        attention's `ordered` core sums keys in blocks counted from slot 0) and the prefill compiled
         with the decode step's XLA options (`decode_compiler_options`; on CPU: no YNNPACK fusions,
-        whose products round a row by how many rows share the call), so each token's logits are
-        bitwise what the trainer's full forward compiled with the same options gives (RL's engine
-        mode, rl/step.py; tests/test_rl.py). Costs prefill speed on long prompts."""
+        whose products round a row by how many rows share the call). With `model.attention_impl:
+        ordered`, each token's logits are then bitwise what the trainer's full forward compiled
+        with the same options gives (RL's engine mode, rl/step.py; tests/test_rl.py). Costs
+        prefill speed on long prompts."""
         self.fixed_shape = fixed_shape
         """Every decode call covers all rows and slots: one compiled shape, so a row's arithmetic (and
         its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster

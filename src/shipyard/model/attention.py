@@ -245,9 +245,10 @@ def _attend_ordered(q, k, v, seen, layout: CacheLayout, product):
     weights = jnp.exp(scores - top)
     ones = jnp.ones((c, 2), weights.dtype)  # (one column would make it a reduce again)
     total = contract(weights, "bkngtc", ones, "cx", "bkngtx")[..., :1]
-    out = product(weights.astype(v.dtype), "bkngtc", v, v_spec, "bkngtd")
-    out = jnp.sum(out, axis=2) / jnp.sum(total, axis=2).astype(out.dtype)  # blocks in key order
-    return out.transpose(0, 3, 1, 2, 4)
+    # (each block's result in fp32, so low-precision values round once, after the blocks are added)
+    out = product(weights.astype(v.dtype), "bkngtc", v, v_spec, "bkngtd", preferred_element_type=jnp.float32)
+    out = jnp.sum(out, axis=2) / jnp.sum(total, axis=2)  # blocks in key order
+    return out.transpose(0, 3, 1, 2, 4).astype(v.dtype)
 
 
 KEY_BLOCK = 64

@@ -178,7 +178,7 @@ def run_rl(
     distribution = make_distribution(model, rl, partition, place.layout) if rl.fixed_shape else None
 
     def groups_of(
-        items, step: int, replies: int, temperature: float, salt: int = 0, train: bool = False
+        items, step: int, replies: int, temperature: float, stream: int = 0, train: bool = False
     ) -> list[Group]:
         prompts = []
         for item in items:
@@ -192,7 +192,7 @@ def run_rl(
         how = dict(
             rl=rl,
             replies=replies,
-            seeds=lambda i, g: reply_seed(rl.seed + salt, step, i, g),
+            seeds=lambda i, g: reply_seed(rl.seed, step, i, g, stream=stream),
             stop_ids=stop_ids,
             decode=decode,
             reward=reward,
@@ -205,8 +205,8 @@ def run_rl(
     def evaluate(step: int) -> dict:
         if not held_out:
             return {}
-        greedy = groups_of(held_out, step, 1, 0.0, salt=1)
-        sampled = groups_of(held_out, step, rl.pass_k, rl.temperature, salt=2)
+        greedy = groups_of(held_out, step, 1, 0.0, stream=1)
+        sampled = groups_of(held_out, step, rl.pass_k, rl.temperature, stream=2)
         rewards = np.array([g.replies[0].reward for g in greedy])
         return {
             "eval_reward": float(rewards.mean()),

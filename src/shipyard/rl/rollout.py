@@ -51,10 +51,12 @@ class Group:
         return np.array([r.reward for r in self.replies], np.float32)
 
 
-def reply_seed(seed: int, step: int, prompt: int, sample: int) -> int:
-    """The PRNG seed of one reply: a pure function of where it is in the run (int32)."""
-    mixed = np.random.default_rng([seed, step, prompt, sample]).integers(0, 2**31 - 1)
-    return int(mixed)
+def reply_seed(seed: int, step: int, prompt: int, sample: int, stream: int = 0) -> int:
+    """The PRNG seed of one reply: a pure function of where it is in the run (int32). `stream` tells
+    the training replies (0) from the held-out evaluation's (1, 2, ...): apart in the entropy, not
+    added to the seed, so a run's evaluation never draws another seed's training replies."""
+    mixed = np.random.default_rng([seed, step, prompt, sample, *([stream] if stream else [])])
+    return int(mixed.integers(0, 2**31 - 1))
 
 
 def sample_groups(

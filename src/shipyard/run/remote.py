@@ -44,6 +44,7 @@ from shipyard.output import write_atomic
 from shipyard.run import fault_injection
 from shipyard.run.checkpoint import SIDECAR, checkpoint_dir, doomed_steps
 from shipyard.storage import StorageError, redact
+from shipyard.user_cache import user_cache
 
 RUN_MARKER = storage.MARKER
 CACHE_ENV = "SHIPYARD_RUN_CACHE"
@@ -63,8 +64,7 @@ def local_copy(url: str, kind: str = "runs") -> Path:
     a reader never replaces the copy a run on the same machine trains in)."""
     base = os.environ.get(CACHE_ENV)
     if not base:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(cache, "shipyard")
+        base = str(user_cache())
     key = hashlib.sha256(redact(url).rstrip("/").encode()).hexdigest()[:20]
     return Path(base) / kind / key
 
