@@ -2,6 +2,7 @@
 
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -31,7 +32,16 @@ def _args(tokens) -> list[str]:
 
 
 def _finish(proc, what: str) -> str:
-    out, _ = proc.communicate(timeout=300)
+    # Read through the process's text stream, not communicate(): communicate reads the raw pipe, so
+    # the lines `_resume`'s readline had already buffered past "resumed from checkpoint" (the mesh
+    # line, when the run wrote both at once) were lost, and the check below failed now and then.
+    timer = threading.Timer(300, proc.kill)
+    timer.start()
+    try:
+        out = proc.stdout.read()
+        proc.wait()
+    finally:
+        timer.cancel()
     assert proc.returncode == 0, f"{what}:\n{out}"
     return out
 
