@@ -16,13 +16,8 @@ from shipyard.errors import DataError
 from shipyard.user_cache import user_cache
 
 
-def browse_cache(*parts: str) -> Path:
-    """`user_cache(*parts)`: where the browser keeps bucket copies and trace indexes."""
-    return user_cache(*parts)
-
-
 def cache_dir(url: str) -> Path:
-    return browse_cache("browse", hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
+    return user_cache("browse", hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
 
 
 def _listing(url: str) -> str:

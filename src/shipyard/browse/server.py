@@ -242,12 +242,12 @@ def _page_of(site, path: str) -> str | None:
 def trace_text(m: dict, text: str) -> dict:
     """The spans of `text` found in the run's training shards (browse/trace.py)."""
     from shipyard.browse import trace
-    from shipyard.browse.mirror import browse_cache
+    from shipyard.user_cache import user_cache
 
     if not m["shards"]:
         raise HTTPException(400, "model: this model records no training shards to trace into")
     if m["trace"] is None:
-        m["trace"] = trace.build_index(m["shards"][0], browse_cache("trace"))
+        m["trace"] = trace.build_index(m["shards"][0], user_cache("trace"))
     tok = m["tokenizer"]
     tokens = tok.encode(text, add_special_tokens=False).ids
     if not tokens:

@@ -53,8 +53,8 @@ class Group:
 
 def reply_seed(seed: int, step: int, prompt: int, sample: int, stream: int = 0) -> int:
     """The PRNG seed of one reply: a pure function of where it is in the run (int32). `stream` tells
-    the training replies (0) from the held-out evaluation's (1, 2, ...): apart in the entropy, not
-    added to the seed, so a run's evaluation never draws another seed's training replies."""
+    a step's draws apart (0 the batch, 100 + r refill round r, 1 and 2 the held-out evaluation's):
+    apart in the entropy, not added to the seed, so no draw repeats another seed's."""
     mixed = np.random.default_rng([seed, step, prompt, sample, *([stream] if stream else [])])
     return int(mixed.integers(0, 2**31 - 1))
 
