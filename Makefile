@@ -25,12 +25,17 @@ $(STAMP): pyproject.toml requirements.lock
 quickstart: install
 	$(BIN)/shipyard quickstart --root $(QS)
 
-# Default tier: everything but the end-to-end runs marked slow.
+# Default tier: everything but the end-to-end runs marked slow. Both tiers run on 2 worker processes
+# (pytest-xdist; tests/xdist_schedule.py: a module stays on one worker, the costliest start first);
+# JOBS=1 runs them in this process.
+JOBS ?= 2
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) --durations=30
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow --durations=25
+	$(BIN)/python -m pytest -q -m slow $(XDIST) --durations=30
 
 # docs/browse/*.png, the screenshots docs/browse.md shows, taken by the browser tests themselves.
 browse-screenshots: install

@@ -12,7 +12,8 @@ from data_fixtures import mutate, prose, write_jsonl
 
 from shipyard.data.sources import STAGE_TAG
 
-pytestmark = pytest.mark.slow
+# (xdist_group: one Ray cluster on the machine at a time, tests/xdist_schedule.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 SHIPYARD = os.path.join(os.path.dirname(sys.executable), "shipyard")

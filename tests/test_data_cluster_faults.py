@@ -16,7 +16,8 @@ from data_fixtures import prose, write_jsonl
 
 import shipyard
 
-pytestmark = pytest.mark.slow
+# (xdist_group: one Ray cluster on the machine at a time, tests/xdist_schedule.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 SHIPYARD = os.path.join(os.path.dirname(sys.executable), "shipyard")

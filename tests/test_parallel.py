@@ -175,6 +175,7 @@ def test_two_process_cluster_matches_one_process_and_resumes_on_four_devices(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster on the machine at a time (tests/xdist_schedule.py)
 def test_launch_on_a_local_ray_instance(tmp_path, byte_tokens, monkeypatch):
     pytest.importorskip("ray")
     # Ray >= 2.5x turns on token auth once ~/.ray/auth_token exists (any earlier local

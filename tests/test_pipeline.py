@@ -171,6 +171,7 @@ def test_quickstart_pipeline_beats_unigram(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster on the machine at a time (tests/xdist_schedule.py)
 def test_ray_executor_runs_the_same_steps_with_the_same_artifacts(tmp_path, monkeypatch):
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token left behind (see test_parallel)

@@ -83,6 +83,13 @@ def test_replies_and_logprobs_with_the_cache_are_those_without_it_bit_for_bit(pa
     assert sum(h > 0 for h in hits) >= 7  # the shared cases above did share
     assert engine.prefix.hits == sum(h > 0 for h in hits) and engine.prefix.hit_tokens == sum(hits)
     assert engine.prefix.lookups == len(prompts) and engine.prefix.evicted == 0
+    # A hit's blocks are read from the store, not computed again: with the store's keys and values
+    # spoiled, a prompt that hits it answers otherwise (a prefill that recomputed them would not notice).
+    hits = engine.prefix.hits
+    engine._store = jax.tree.map(lambda x: x + 1, engine._store)
+    tokens, logprobs = _replies(engine, prompts[1:2])[0]
+    assert engine.prefix.hits == hits + 1
+    assert not np.array_equal(logprobs, off[1][1]), "the cached blocks were recomputed, not read"
     # the strangers pushed out the head's deeper blocks: the next prompt took its first block only
     assert small.prefix.evicted >= 3 and small.prefix.hits > 0 and small.prefix.held_tokens() <= 8 * 16
 

@@ -1121,3 +1121,40 @@ def test_the_default_kv_cache_is_sized_to_the_memory_available():
     assert slots == 4096  # 5.9 GiB for all 8,192 slots, 4.3 for 4,096: under 90% of 5
     assert predicted_bytes(weights, per_slot * (8 * 4096 + 2 * 2048)) <= 0.9 * available < whole
     assert fitting_max_len(cfg, weights, 8, 2, "float32", 2**30)[0] == 256  # nothing fits: the shortest
+
+
+def test_a_server_without_max_len_serves_the_fitted_length(run_dir, tmp_path, monkeypatch):
+    """`load_service` with no max_len, in a process whose memory would not hold the model's whole
+    context, builds its engine with the length `fitting_max_len` chose, shorter than the context, and
+    that engine's caches then fit the memory by the documented formula."""
+    from model_fixtures import noisy_params, save_run
+
+    import shipyard.inference.service as service
+    from shipyard.config import load_config
+
+    cfg = load_config("tiny", ["model.vocab_size=400", "model.max_seq_len=4096"])
+    params = noisy_params(cfg.model, key=1, seed=1, scale=0.1)
+    save_run(tmp_path / "long", cfg, params)
+    weights = service.weight_bytes(params)
+    # room for about 1,500 of the 8 rows x 4,096 slots: the whole context does not fit, 1,024 does
+    per_slot = 2 * cfg.model.num_layers * cfg.model.num_kv_heads * cfg.model.head_dim * 4
+    available = int((service.RUNTIME_BYTES + 2 * weights + 1.1 * per_slot * 8 * 1500) / 0.9)
+    monkeypatch.setattr(service, "_memory", lambda: available)
+    want = service.fitting_max_len(cfg.model, weights, 8, 0, "float32", available)
+    assert want is not None and want[0] == 1024
+
+    class Built(Exception):
+        pass
+
+    built, real = [], service.Engine
+
+    def engine(*args, **kwargs):  # the real engine, then stop before the server compiles and starts
+        built.append(real(*args, **kwargs))
+        raise Built
+
+    monkeypatch.setattr(service, "Engine", engine)
+    with pytest.raises(Built):
+        service.load_service(tmp_path / "long", tokenizer=run_dir.parent / "tok", max_batch=8, prefix_cache=0)
+    (served,) = built
+    assert served.max_len == want[0] < cfg.model.max_seq_len
+    assert service.predicted_bytes(weights, served.kv_cache_bytes()) <= 0.9 * available
