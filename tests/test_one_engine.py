@@ -88,7 +88,7 @@ def test_generate_chat_lm_eval_and_serve_share_one_engine_and_its_tokens(hf_dir,
     made = []
 
     def the_engine(*args, **kwargs):  # whatever an entry point asks for, it gets the shared engine
-        made.append(kwargs)
+        made.append((rec.entry, kwargs))
         return shared
 
     monkeypatch.setattr(engine_module, "Engine", the_engine)
@@ -128,6 +128,17 @@ def test_generate_chat_lm_eval_and_serve_share_one_engine_and_its_tokens(hf_dir,
         e in {r["entry"] for r in rec.requests} for e in ("generate", "chat", "lm-eval", "serve")
     )
     assert service.engine is shared and lm.engine() is not None
+    # and each asked for the engine its own settings call for (the shared one stands in for it): generate
+    # a row for its one prompt and a cache for the prompt and its new tokens (the prompt padded to its
+    # prefill bucket of 16), chat one row over the whole context, lm-eval its max_length, serve its flags
+    asked = dict(made)
+    assert len(made) == len(asked) == 4
+    prompt = len(rec.of("generate")[0]["prompt"])
+    assert asked["generate"]["max_batch"] == 1 and prompt + NEW <= asked["generate"]["max_len"] <= 16 + NEW
+    assert asked["chat"]["max_batch"] == 1 and asked["chat"].get("max_len") in (None, 64)
+    assert asked["lm-eval"]["max_len"] == 64
+    serve = {k: asked["serve"][k] for k in ("max_batch", "max_len", "fixed_shape", "speculate", "draft")}
+    assert serve == {"max_batch": 2, "max_len": 64, "fixed_shape": True, "speculate": 0, "draft": None}
 
     text_runs = [r for r in rec.requests if r["prompt"] == rec.of("generate")[0]["prompt"]]
     # chat's prompt is the rendered conversation (special tokens by id): serve's chat endpoint renders it
