@@ -382,6 +382,28 @@ SCHEMAS = {
 }  # fmt: skip
 
 
+def _in_the_one_layout(text: str) -> bool:
+    """Whether JSON `text` has structured output's one layout (docs/serving.md): outside strings no
+    whitespace but one space after each "," and ":" (a scan of the text, not the grammar's rules)."""
+    inside, escaped = False, False
+    for i, ch in enumerate(text):
+        if inside:
+            inside, escaped = (escaped or ch != '"'), (not escaped and ch == "\\")
+        elif ch == '"':
+            inside = True
+        else:
+            stray_space = ch.isspace() and not (ch == " " and i > 0 and text[i - 1] in ",:")
+            if stray_space or (ch in ",:" and text[i + 1 : i + 2] != " "):
+                return False
+    return True
+
+
+def test_the_one_layout_scan_tells_layouts_apart():
+    assert _in_the_one_layout('{"a": [1, 2], "b": {"c": "x, y:z \\" ,"}}')
+    for other in ('{"a":1}', '{"a": 1,"b": 2}', '{ "a": 1}', '{"a": 1}\n', '{"a":  1}', "[1 ,2]"):
+        assert not _in_the_one_layout(other), other
+
+
 @pytest.mark.parametrize("what", list(SCHEMAS))
 def test_every_structured_reply_validates_against_its_schema(client, what):
     """A prose model held to a JSON Schema, sampled (4 choices, two temperatures) and greedy, in chat
@@ -413,6 +435,7 @@ def test_every_structured_reply_validates_against_its_schema(client, what):
             continue  # a sampled tree may grow past max_tokens (cut replies are not JSON, as at OpenAI)
         assert finish == "stop", (what, text, finish)
         jsonschema.validate(json.loads(text), schema)
+        assert _in_the_one_layout(text), (what, text)
     assert sum(finish == "stop" for _, finish in replies) >= len(replies) // 2, replies
     greedy = replies[0][0]
     streamed = "".join(
