@@ -9,6 +9,14 @@ the same files, the same rules) and compares: a node whose own artifacts changed
 every node downstream of it `upstream` (its inputs are not what it was made from); a directory
 without `_SUCCESS` is `incomplete`. A root that is a single run directory (no step directories)
 is one node of kind `run`.
+
+A running server verifies again before each page (`verify(..., track=True)` over the nodes it
+verified before): each node remembers the sha256 of every file in its directory, taken through the
+per-user hash cache (data/hashcache.py), so a file whose stat (size, mtime_ns, ctime_ns, inode) is
+what it was when last hashed is not read again, and only a node with a changed, added or removed
+file is digested again. The recorded digests cover a node's files together (one sha256 over all
+of them), so that node's `digest` reads all of its files once more; every other node costs a stat
+per file.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from shipyard.data.hashcache import sha256_files
 from shipyard.errors import DataError
 
 MARKER = "_SUCCESS"
@@ -56,6 +65,9 @@ class Node:
     """What differs (artifact names, recorded vs now), or which upstream node does."""
     recomputed: dict = field(default_factory=dict)
     """The artifact digests as computed now (empty until verified)."""
+    files: dict[str, str] | None = None
+    """{name relative to `path`: sha256} of every file in the directory, hashed just before its
+    artifacts were digested (`verify(..., track=True)`; None when not tracked)."""
 
     @property
     def recorded(self) -> dict:
@@ -127,33 +139,52 @@ def _ordered(nodes: dict[str, Node]) -> list[Node]:
     return out
 
 
-def verify(nodes: list[Node]) -> list[Node]:
+def verify(nodes: list[Node], track: bool = False) -> list[Node]:
     """The nodes with their artifacts re-hashed (`experiment.steps.digest`) and compared with the
-    recorded ones; downstream of a node that differs, `upstream`."""
-    from shipyard.experiment.steps import digest
+    recorded ones; downstream of a node that differs, `upstream`.
 
+    With `track` each node keeps its files' sha256 (`Node.files`, see `file_hashes`), and a node that
+    already carries them (from an earlier tracked verify) and whose files still hash the same keeps
+    its own verdict without `digest`: a request over an unchanged root reads no file. The upstream
+    marks are always worked out afresh."""
     done: dict[str, Node] = {}
     for n in nodes:
-        if n.kind == "run":
-            done[n.key] = replace(n, status="unverified", why="a run directory records no artifact digests")
-            continue
-        if not (n.path / MARKER).exists():
-            done[n.key] = replace(n, status="incomplete", why=f"no {MARKER}: the step did not finish")
-            continue
-        try:
-            now = digest(n.kind, n.path)
-        except Exception as e:  # a damaged artifact may not even load: that is a difference, shown
-            now = {"error": f"{type(e).__name__}: {e}"}
-        if now != n.recorded:
-            names = sorted(k for k in set(now) | set(n.recorded) if now.get(k) != n.recorded.get(k))
-            node = replace(n, status="differs", why="changed: " + ", ".join(names), recomputed=now)
-        else:
-            node = replace(n, status="verified", recomputed=now)
+        node = _own_verdict(n, track)
         bad = [p for p in n.parents if p in done and done[p].status in ("differs", "upstream")]
         if bad and node.status == "verified":
             node = replace(node, status="upstream", why="made from " + ", ".join(bad) + ", which differ")
         done[n.key] = node
     return [done[n.key] for n in nodes]
+
+
+def _own_verdict(n: Node, track: bool) -> Node:
+    """`n` judged by its own artifacts: verified, differs, incomplete (`upstream` is verify's)."""
+    from shipyard.experiment.steps import digest
+
+    if n.kind == "run":
+        return replace(n, status="unverified", why="a run directory records no artifact digests")
+    if not (n.path / MARKER).exists():
+        why = f"no {MARKER}: the step did not finish"
+        return replace(n, status="incomplete", why=why, recomputed={}, files=None)
+    # hashed before `digest` reads the files: a file changed in between differs from `files` next time
+    files = file_hashes(n.path) if track else None
+    if files is not None and files == n.files:  # the bytes it was last judged on
+        return replace(n, status="verified", why="") if n.status == "upstream" else n
+    try:
+        now = digest(n.kind, n.path)
+    except Exception as e:  # a damaged artifact may not even load: that is a difference, shown
+        now = {"error": f"{type(e).__name__}: {e}"}
+    if now != n.recorded:
+        names = sorted(k for k in set(now) | set(n.recorded) if now.get(k) != n.recorded.get(k))
+        return replace(n, status="differs", why="changed: " + ", ".join(names), recomputed=now, files=files)
+    return replace(n, status="verified", why="", recomputed=now, files=files)
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    """{name relative to `path`: sha256} of every file under `path`, through the per-user hash cache
+    (data/hashcache.py: a file whose size, mtime_ns, ctime_ns and inode are what they were when it
+    was last hashed is not read; one changed less than RACY_NS before it was hashed is read again)."""
+    return sha256_files(path, sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()))
 
 
 def children(nodes: list[Node]) -> dict[str, list[str]]:

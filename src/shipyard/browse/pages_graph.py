@@ -42,8 +42,13 @@ def index(site) -> str:
     summary = (
         f"<p class=summary>{len(nodes)} steps under <code>{esc(site.source or site.root)}</code>"
         + (f" (a local copy in <code>{esc(site.root)}</code>)" if site.source else "")
-        + "; artifacts re-hashed in "
-        f"{site.verify_seconds:.1f} s: {sum(n.status == 'verified' for n in nodes)} verified, "
+        + f"; artifacts re-hashed in {site.verify_seconds:.1f} s"
+        + (
+            f" at start-up, re-checked for this page in {site.recheck_seconds:.2f} s"
+            if site.recheck_seconds is not None
+            else ""
+        )
+        + f": {sum(n.status == 'verified' for n in nodes)} verified, "
         f"{len(bad)} differ.</p>"
     )
     runs = site.runs()

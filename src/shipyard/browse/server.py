@@ -1,6 +1,8 @@
 """`shipyard browse ROOT`: the site (browse/site.py) served on 127.0.0.1 by FastAPI, plus the two
 answers a static page cannot give: /api/complete (the serving engine on a checkpoint of the root)
-and /api/trace (a span of text looked up in a run's training shards).
+and /api/trace (a span of text looked up in a run's training shards). Before each page the site's
+artifacts are re-checked (`Site.reverify`), so a file changed under a running server shows ✗ on
+the next page.
 
 Nothing is served but the site's pages and the package's assets: no route reads a path a request
 names, so `..`, absolute paths and symlinks out of ROOT have nothing to reach (404). With a token
@@ -65,6 +67,7 @@ def create_app(site, token: str | None = None):
 
     @app.get("/{path:path}")
     def any_page(path: str):
+        site.reverify()  # every page shows the root as it is now (graph.py: only changes are re-read)
         html = site.render(path or "index.html")
         if html is None:
             raise HTTPException(404, f"no page {path}")

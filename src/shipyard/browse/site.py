@@ -1,7 +1,9 @@
 """The pages of `shipyard browse`, by path: the one place both the local server and the static site
 get them from, so the two cannot differ.
 
-A `Site` is built once per root: the nodes scanned and their artifacts re-hashed (browse/graph.py).
+A `Site` is built once per root: the nodes scanned and their artifacts re-hashed (browse/graph.py);
+a live one (the server's) re-checks them before each page (`Site.reverify`: a stat per file, a file
+re-hashed only when its stat changed, a step digested again only when one of its files did).
 Page paths are relative to the site's top (index.html, evals.html, node/<key>.html, data/<key>.html,
 run/<key>.html, batch/<key>/<step>.html, compare/<a>__<b>.html, model.html, trace.html);
 `Site.render` returns a page's HTML (or None), `static_paths()` lists what a static site holds (the
@@ -11,6 +13,7 @@ batch pages of a few steps per run: a server renders any step on request).
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +36,23 @@ class Site:
     """The bucket URL `root` is a local copy of (None: `root` is the root itself)."""
     loaded: dict = field(default_factory=dict)
     """What the pages loaded once and reuse (a run's data loader and tokenizer)."""
+    recheck: bool = False
+    """Whether `reverify` re-checks the nodes (a live site whose nodes were verified with their files
+    tracked)."""
+    recheck_seconds: float | None = None
+    """How long the last `reverify` took (None before the first)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def reverify(self) -> None:
+        """The nodes verified again against their files as they are now (graph.verify with the files
+        tracked: only what changed since the last check is read), when `recheck`; the server calls
+        this before each page, so a byte changed under a running server shows on the next page."""
+        if not self.recheck:
+            return
+        with self._lock:  # (pages are rendered on a thread pool)
+            t0 = time.perf_counter()
+            self.nodes = graph.verify(self.nodes, track=True)
+            self.recheck_seconds = time.perf_counter() - t0
 
     @property
     def by_key(self) -> dict[str, Node]:
@@ -97,7 +117,9 @@ class Site:
 
 def open_site(root: str | Path, verify: bool = True, live: bool = False, say=print) -> Site:
     """The site of `root` (a directory, or a bucket URL: browsed from a local copy, browse/mirror.py):
-    its nodes scanned and (with `verify`) re-hashed."""
+    its nodes scanned and (with `verify`) re-hashed; `live` and `verify`: with their files' hashes
+    kept, so that `Site.reverify` re-checks them cheaply (a bucket root's local copy is what it
+    re-checks: the bucket is fetched again at the next start)."""
     from shipyard import storage
 
     source = None
@@ -108,5 +130,5 @@ def open_site(root: str | Path, verify: bool = True, live: bool = False, say=pri
     nodes = graph.scan(Path(root))
     t0 = time.perf_counter()
     if verify:
-        nodes = graph.verify(nodes)
-    return Site(Path(root), nodes, time.perf_counter() - t0, live, source=source)
+        nodes = graph.verify(nodes, track=live)
+    return Site(Path(root), nodes, time.perf_counter() - t0, live, source=source, recheck=live and verify)

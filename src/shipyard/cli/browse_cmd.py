@@ -55,7 +55,8 @@ def register(sub) -> None:
         "browse",
         help="a local web app over a pipeline root or run directory: artifact graph, data, batches, runs, model, trace",
         description="Serve ROOT's pages on 127.0.0.1 (or write them as a static site with --static OUT). "
-        "Every step's artifacts are re-hashed when the pages are built; nothing is written to ROOT.",
+        "Every step's artifacts are re-hashed at start-up, and the server re-checks them before each page "
+        "(a file is read again only when its size, mtime, ctime or inode changed); nothing is written to ROOT.",
     )
     p.add_argument(
         "root",
@@ -76,6 +77,6 @@ def register(sub) -> None:
     p.add_argument(
         "--no-verify",
         action="store_true",
-        help="skip re-hashing the artifacts (statuses show as not verified)",
+        help="skip re-hashing and re-checking the artifacts (statuses show as not verified)",
     )
     p.set_defaults(func=_cmd_browse)

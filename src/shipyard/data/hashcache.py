@@ -10,7 +10,8 @@ milliseconds, seconds on some filesystems), so a file changed less than
 RACY_NS before it was hashed is not remembered: a second write in the same
 tick could otherwise leave its stat unchanged (git's "racy" rule). What this
 cannot see is a change below the filesystem (bit rot on the disk): `shipyard
-data verify` hashes afresh.
+data verify` hashes afresh. `shipyard browse` re-checks a root before each page
+through the same cache (browse/graph.py: `file_hashes`).
 
 Where the cache lives: `$XDG_CACHE_HOME/shipyard/sha256/` (default
 `~/.cache/shipyard/sha256/`), one small JSON file per hashed directory, named
