@@ -1,10 +1,12 @@
 """Data stages on a real multi-node Ray cluster (a head without CPUs and two worker nodes, each started
-from its own working directory): every output file equals the local run's byte for byte."""
+from its own working directory): every output file equals the local run's byte for byte, and each
+stage's stats.json names the worker nodes its tasks ran on (the local run's names none)."""
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,32 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 SHIPYARD = os.path.join(os.path.dirname(sys.executable), "shipyard")
-HOST_FIELDS = ("seconds", "mb_per_s", "workers")  # where and how fast it ran: not part of the output
+# where and how fast it ran: not part of the output
+HOST_FIELDS = ("seconds", "mb_per_s", "workers", "ray_nodes", "ray_tasks")
+
+
+@dataclass
+class Cluster:
+    """The Ray cluster the tests share."""
+
+    address: str
+    workers: set[str] = field(default_factory=set)
+    """The ids of the worker nodes the test started (the head, without CPUs, is not one)."""
+
+
+def _start_worker(cluster: Cluster, cwd: Path) -> None:
+    """A one-CPU worker node started from a new directory `cwd`, under an id of the test's choosing
+    (Ray's own test clusters set it the same way), so a stage's stats.json can be checked against it."""
+    cwd.mkdir()
+    node_id = os.urandom(28).hex()  # a NodeID's 28 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
+    node = [RAY, "start", f"--address={cluster.address}", "--num-cpus=1", "--disable-usage-stats"]
+    subprocess.run(node, check=True, capture_output=True, timeout=180, env=env, cwd=cwd)
+    cluster.workers.add(node_id)
 
 
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory):
+def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray")
     from shipyard.parallel.launch import free_port
 
@@ -32,14 +55,26 @@ def ray_address(tmp_path_factory):
     head = [RAY, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false"]
     subprocess.run([*head, "--disable-usage-stats"], check=True, capture_output=True, timeout=180, env=env)
     try:
+        cluster = Cluster(f"127.0.0.1:{port}")
         for n in (1, 2):
-            cwd = base / f"node{n}"
-            cwd.mkdir()
-            node = [RAY, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--disable-usage-stats"]
-            subprocess.run(node, check=True, capture_output=True, timeout=180, env=env, cwd=cwd)
-        yield f"127.0.0.1:{port}"
+            _start_worker(cluster, base / f"node{n}")
+        yield cluster
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+
+
+def _ran_on_workers(stats_json: Path, cluster: Cluster) -> dict:
+    """The stage's stats: they name the nodes its tasks ran on, each a worker node the test started
+    (a stage that ran its units in a local pool names none), and count the tasks on each."""
+    stats = json.loads(stats_json.read_text())
+    nodes = stats.get("ray_nodes")
+    assert nodes, f"{stats_json}: no ray_nodes: the {stats['stage']} units did not run on the cluster"
+    assert set(nodes) <= cluster.workers, f"{stats_json}: ran on {nodes}, not worker nodes {cluster.workers}"
+    tasks = stats["ray_tasks"]
+    assert nodes == sorted(tasks) and min(tasks.values()) >= 1, stats_json
+    # each part is one unit task's output: fewer tasks than parts means units ran elsewhere
+    assert sum(tasks.values()) >= len(stats.get("parts", [])), stats_json
+    return stats
 
 
 def _shipyard(*args, cwd, env=None):
@@ -68,6 +103,8 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _same_output(a: Path, b: Path) -> None:
+    """`a`, a local run's output, holds the same files as `b`'s (host fields aside); its stats name
+    no Ray node."""
     fa, fb = _files(a), _files(b)
     assert sorted(fa) == sorted(fb)
     for name in fa:
@@ -75,6 +112,7 @@ def _same_output(a: Path, b: Path) -> None:
             # the stages downstream record their input directory: the same name under each root
             ja = json.loads(fa[name].decode().replace(str(a), "ROOT"))
             jb = json.loads(fb[name].decode().replace(str(b), "ROOT"))
+            assert "ray_nodes" not in ja and "ray_tasks" not in ja, name
             for j in (ja, jb):
                 for k in HOST_FIELDS:
                     j.pop(k, None)
@@ -86,7 +124,7 @@ def _same_output(a: Path, b: Path) -> None:
             assert fa[name] == fb[name], name
 
 
-def test_prepare_on_a_cluster_writes_what_the_local_run_writes(ray_address, tmp_path):
+def test_prepare_on_a_cluster_writes_what_the_local_run_writes(ray_cluster, tmp_path):
     _corpus(tmp_path)
     write_jsonl(tmp_path / "val.jsonl", [prose(9000 + s) for s in range(5)])
     write_jsonl(tmp_path / "eval.jsonl", [prose(1003, words=400)[:600]])
@@ -99,24 +137,36 @@ def test_prepare_on_a_cluster_writes_what_the_local_run_writes(ray_address, tmp_
     assert local.returncode == 0, local.stderr
     # relative inputs and outputs: each task works in the driver's directory (a shared filesystem)
     ray = _shipyard(
-        "data", "prepare", "prepare.yaml", "--set", "out=onray", "--ray", ray_address, cwd=tmp_path
+        "data", "prepare", "prepare.yaml", "--set", "out=onray", "--ray", ray_cluster.address, cwd=tmp_path
     )
     assert ray.returncode == 0, ray.stderr
-    dedup = json.loads((tmp_path / "onray" / "02-dedup" / "stats.json").read_text())
-    assert dedup["workers"] == f"ray {ray_address}"
+    stages = {p.parent.name: p for p in (tmp_path / "onray").glob("*/stats.json")}
+    assert sorted(stages) == [
+        "01-filter",
+        "02-dedup",
+        "03-decontaminate",
+        "04-tokenizer",
+        "05-tokenize-train",
+        "06-tokenize-validation",
+    ]
+    # every stage but tokenizer-train (one process, no units) ran its tasks on the worker nodes
+    ran = {name: _ran_on_workers(p, ray_cluster) for name, p in stages.items() if name != "04-tokenizer"}
+    dedup, decon = ran["02-dedup"], ran["03-decontaminate"]
+    assert dedup["workers"] == f"ray {ray_cluster.address}"
     assert dedup["dropped"]["fuzzy_duplicate"] >= 20  # the planted near-duplicates, across files
-    decon = json.loads((tmp_path / "onray" / "03-decontaminate" / "stats.json").read_text())
     assert decon["documents_out"] < decon["documents_in"]
     _same_output(tmp_path / "local", tmp_path / "onray")
 
 
-def test_a_bucket_output_is_uploaded_by_the_tasks_marker_last(ray_address, tmp_path, bucket, s3_env):
+def test_a_bucket_output_is_uploaded_by_the_tasks_marker_last(ray_cluster, tmp_path, bucket, s3_env):
     _corpus(tmp_path)
     inputs = ["in0.jsonl", "in1.jsonl", "in2.jsonl"]
     local = _shipyard("data", "filter", *inputs, "--out", "f", "--workers", "2", cwd=tmp_path)
     assert local.returncode == 0, local.stderr
     url = f"{bucket}/filtered"
-    ray = _shipyard("data", "filter", *inputs, "--out", url, "--ray", ray_address, cwd=tmp_path, env=s3_env)
+    ray = _shipyard(
+        "data", "filter", *inputs, "--out", url, "--ray", ray_cluster.address, cwd=tmp_path, env=s3_env
+    )
     assert ray.returncode == 0, ray.stderr
     from shipyard import storage
 
@@ -124,6 +174,7 @@ def test_a_bucket_output_is_uploaded_by_the_tasks_marker_last(ray_address, tmp_p
     marker = json.loads((fetched / storage.MARKER).read_text())
     parts = sorted(n for n in marker["files"] if n.startswith("part-"))
     assert len(parts) >= 3 and parts == sorted(p.name for p in (tmp_path / "f").glob("part-*"))
+    _ran_on_workers(fetched / "stats.json", ray_cluster)
     for name in (storage.MARKER, STAGE_TAG):
         (fetched / name).unlink(missing_ok=True)
     _same_output(tmp_path / "f", fetched)
@@ -140,13 +191,10 @@ def test_an_address_without_a_cluster_is_one_line(tmp_path):
     assert "no Ray cluster answers there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def _extra_node(ray_address: str, cwd: Path) -> int:
+def _extra_node(cluster: Cluster, cwd: Path) -> int:
     """Another one-CPU worker node; the pid of its raylet (to kill)."""
-    cwd.mkdir()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     before = set(subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split())
-    node = [RAY, "start", f"--address={ray_address}", "--num-cpus=1", "--disable-usage-stats"]
-    subprocess.run(node, check=True, capture_output=True, timeout=180, env=env, cwd=cwd)
+    _start_worker(cluster, cwd)
     after = set(subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split())
     (pid,) = after - before
     return int(pid)
@@ -190,22 +238,23 @@ def _many_units(d: Path) -> list[str]:
     return names
 
 
-def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_nothing(ray_address, tmp_path):
+def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_nothing(ray_cluster, tmp_path):
     """SIGKILL a worker node's raylet once dedup's shuffle has begun, and another's once tokenize
     has encoded its first unit: Ray reruns the lost tasks elsewhere and every output file equals the
-    local run's."""
+    local run's (a killed node may be named among the nodes: the tasks it finished count)."""
     inputs = _many_units(tmp_path)
     env = {"RAY_AUTH_MODE": "disabled"}
     local = _shipyard("data", "dedup", *inputs, "--out", "local", "--workers", "2", cwd=tmp_path)
     assert local.returncode == 0, local.stderr
-    raylet = _extra_node(ray_address, tmp_path / "node3")
-    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", "onray", "--ray", ray_address]
+    raylet = _extra_node(ray_cluster, tmp_path / "node3")
+    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", "onray", "--ray", ray_cluster.address]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     _kill_when(proc, lambda: (tmp_path / ".onray.partial" / "_dedup" / "bands").exists(), raylet)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert json.loads((tmp_path / "local" / "stats.json").read_text())["dropped"]["fuzzy_duplicate"] >= 50
     _same_output(tmp_path / "local", tmp_path / "onray")
+    _ran_on_workers(tmp_path / "onray" / "stats.json", ray_cluster)
 
     tok = _shipyard(
         "data", "tokenizer-train", "local", "--out", "tok", "--set", "vocab_size=300", cwd=tmp_path
@@ -214,13 +263,14 @@ def test_a_node_killed_during_the_dedup_shuffle_and_during_tokenize_changes_noth
     shard = ["--tokenizer", "tok", "--set", "shard_tokens=20000"]
     local = _shipyard("data", "tokenize", "local", "--out", "shards", "--workers", "2", *shard, cwd=tmp_path)
     assert local.returncode == 0, local.stderr
-    raylet = _extra_node(ray_address, tmp_path / "node4")
-    cmd = [SHIPYARD, "data", "tokenize", "local", "--out", "rayshards", "--ray", ray_address, *shard]
+    raylet = _extra_node(ray_cluster, tmp_path / "node4")
+    cmd = [SHIPYARD, "data", "tokenize", "local", "--out", "rayshards", "--ray", ray_cluster.address, *shard]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     _kill_when(proc, lambda: any(tmp_path.glob(".rayshards.partial/_tokens/*.bin")), raylet)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     _same_output(tmp_path / "shards", tmp_path / "rayshards")
+    _ran_on_workers(tmp_path / "rayshards" / "stats.json", ray_cluster)
 
 
 PAGE = """<!DOCTYPE html><html><head><title>{title}</title><script>var t = 1;</script></head>
@@ -229,7 +279,7 @@ PAGE = """<!DOCTYPE html><html><head><title>{title}</title><script>var t = 1;</s
 <footer>Copyright 2026 Example Corp.</footer></body></html>"""
 
 
-def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_address, tmp_path):
+def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_cluster, tmp_path):
     pytest.importorskip("fasttext")
     import random
 
@@ -245,7 +295,7 @@ def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_a
     write_jsonl(tmp_path / "bad.jsonl", bad)
     qc = ["data", "classifier-train", "--positive", "good.jsonl", "--negative", "bad.jsonl", "--out", "qc"]
     assert _shipyard(*qc, cwd=tmp_path).returncode == 0
-    for where, flags in (("local", ["--workers", "2"]), ("onray", ["--ray", ray_address])):
+    for where, flags in (("local", ["--workers", "2"]), ("onray", ["--ray", ray_cluster.address])):
         r = _shipyard("data", "extract", "site", "--out", f"{where}-extract", *flags, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         cls = ["data", "classify", "local-extract", "--model", "qc", "--out", f"{where}-classify"]
@@ -253,14 +303,15 @@ def test_extract_and_classify_on_a_cluster_write_what_the_local_run_writes(ray_a
         assert r.returncode == 0, r.stderr
     for stage in ("extract", "classify"):
         _same_output(tmp_path / f"local-{stage}", tmp_path / f"onray-{stage}")
+        _ran_on_workers(tmp_path / f"onray-{stage}" / "stats.json", ray_cluster)
 
 
 def test_a_killed_driver_resumes_a_bucket_output_from_its_finished_units(
-    ray_address, tmp_path, bucket, s3_env
+    ray_cluster, tmp_path, bucket, s3_env
 ):
     """The driver SIGKILLed while dedup writes to a bucket from the cluster: the partial output and
     its journal are in the bucket (unpublished), and the rerun skips the finished units (counted)
-    and publishes what the local run writes."""
+    and publishes what the local run writes (its stats name the nodes of the rerun's tasks)."""
     import re
     import signal
     import time
@@ -271,7 +322,7 @@ def test_a_killed_driver_resumes_a_bucket_output_from_its_finished_units(
     local = _shipyard("data", "dedup", *inputs, "--out", "local", "--workers", "2", cwd=tmp_path)
     assert local.returncode == 0, local.stderr
     url = f"{bucket}/dedup"
-    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", url, "--ray", ray_address]
+    cmd = [SHIPYARD, "data", "dedup", *inputs, "--out", url, "--ray", ray_cluster.address]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
@@ -288,6 +339,7 @@ def test_a_killed_driver_resumes_a_bucket_output_from_its_finished_units(
     assert resumed and int(resumed[1]) == done >= 2 and int(resumed[2]) == 12, again.stderr
     fetched = storage.download_dir(url, tmp_path / "fetched")
     assert not any(n.startswith(("_resume", "_dedup")) for n in storage.list_files(url))
+    _ran_on_workers(fetched / "stats.json", ray_cluster)
     for name in (storage.MARKER, STAGE_TAG):
         (fetched / name).unlink(missing_ok=True)
     _same_output(tmp_path / "local", fetched)

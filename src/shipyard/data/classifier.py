@@ -436,7 +436,7 @@ def run_classify(
             "examples_by_score": [levels[k] for k in sorted(levels)],
             "plot": "score_histogram.png",
         }
-        result = stats.as_dict()
+        result = stats.as_dict(dest.nodes)
         result["parts"] = parts
         _plot_histogram(hist, cutoff, tmp / "score_histogram.png")
         write_json(tmp / "stats.json", result)

@@ -15,14 +15,21 @@ evaluation n-gram sets) travels once per stage through Ray's object store.
 Ray retries a task whose node died (`max_retries`); a unit's output is a
 pure function of the unit, and a part is written whole before anyone may
 read it (`stage.publish_part`), so a retried unit writes the same bytes.
+
+Each task returns the id of the node it ran on with its result, and the driver
+counts them (`count_nodes`): a stage run on Ray records in its stats.json the
+nodes its tasks actually ran on (`ray_nodes`, `ray_tasks`), not only the
+address it was given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from shipyard import storage
@@ -101,12 +108,28 @@ def cluster_cpus(ray) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+_NODES: ContextVar[Counter | None] = ContextVar("shipyard_ray_nodes", default=None)
+
+
+@contextlib.contextmanager
+def count_nodes() -> Iterator[Counter]:
+    """A Counter of the Ray tasks `ray_map` gets back within the block (in this thread), by the id of
+    the node each ran on (the node that finished it, for a task Ray ran again)."""
+    nodes: Counter = Counter()
+    token = _NODES.set(nodes)
+    try:
+        yield nodes
+    finally:
+        _NODES.reset(token)
+
+
 # The stage setup this worker process last ran (a Ray worker is reused across tasks and stages).
 _READY: dict[str, str] = {}
 
 
-def _run_unit(fn: Callable, item, boxed_setup: list):
-    """A Ray task: run the stage's setup once per worker process, then the unit."""
+def _run_unit(fn: Callable, item, boxed_setup: list) -> tuple[str, object]:
+    """A Ray task: run the stage's setup once per worker process, then the unit; (the id of the node
+    it ran on, the unit's result)."""
     import ray
 
     ref = boxed_setup[0]  # boxed: a top-level ObjectRef argument would arrive resolved, without its id
@@ -118,7 +141,7 @@ def _run_unit(fn: Callable, item, boxed_setup: list):
         if initializer is not None:
             initializer(*initargs)
         _READY["setup"] = ref.hex()
-    return fn(item)
+    return ray.get_runtime_context().get_node_id(), fn(item)
 
 
 def ray_map(
@@ -130,7 +153,8 @@ def ray_map(
     initargs: tuple = (),
 ) -> Iterator:
     """fn over items as Ray tasks, results in input order; two tasks per cluster CPU in flight (every
-    core busy, the driver holding a bounded number of results). `env`: the storage settings tasks use."""
+    core busy, the driver holding a bounded number of results). `env`: the storage settings tasks use.
+    Each result's node is counted in the `count_nodes` block this runs in, if any."""
     ray = connect(cluster)
     setup = [ray.put((env, os.getcwd(), initializer, initargs))]
     task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_run_unit)
@@ -145,9 +169,10 @@ def ray_map(
 
 
 def _result(ray, ref, cluster: RayCluster):
-    """A task's result; a task's own error re-raised as itself (a DataError stays one line)."""
+    """A task's result, its node counted (`count_nodes`); a task's own error re-raised as itself (a
+    DataError stays one line)."""
     try:
-        return ray.get(ref)
+        got = ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, ShipyardError):
@@ -166,6 +191,16 @@ def _result(ray, ref, cluster: RayCluster):
                 "every node needs the stage's inputs and outputs on a shared filesystem or a bucket"
             ) from None
         raise
+    if not isinstance(got, tuple):  # no unit's result is a tuple: an older shipyard's task returned it bare
+        raise DataError(
+            f"{cluster}: a worker runs another version of shipyard than this driver (its task did not say "
+            "which node it ran on); install the same shipyard on every node"
+        )
+    node, result = got
+    nodes = _NODES.get()
+    if nodes is not None:
+        nodes[node] += 1
+    return result
 
 
 def _missing_module(text: str) -> str | None:

@@ -226,7 +226,7 @@ def run_dedup(
             similar_pairs=fuzzy["similar_pairs"],
             removed_examples=removed_examples,
         )
-        result = stats.as_dict()
+        result = stats.as_dict(dest.nodes)
         result["parts"] = parts
         write_json(dest.local / "stats.json", result)
     return result

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from shipyard import __version__, storage
 from shipyard.data import resume
-from shipyard.data.cluster import RayCluster, ray_map
+from shipyard.data.cluster import RayCluster, count_nodes, ray_map
 from shipyard.data.documents import (
     FILE_SUFFIXES,
     Document,
@@ -126,8 +126,13 @@ class StageStats:
         self.read.merge(r["read"])
         self.examples.extend(r.get("examples", [])[: self.max_examples - len(self.examples)])
 
-    def as_dict(self) -> dict:
+    def as_dict(self, nodes: Counter | None = None) -> dict:
+        """stats.json; given `nodes` (`StageDir.nodes`: a Ray run's tasks by node), also `ray_nodes` (the
+        ids of the nodes the tasks ran on, sorted) and `ray_tasks` (how many ran on each)."""
         seconds = time.time() - self.started
+        ran_on = {}
+        if nodes is not None:  # a Ray run: where its tasks ran
+            ran_on = {"ray_nodes": sorted(nodes), "ray_tasks": dict(sorted(nodes.items()))}
         return {
             "stage": self.stage,
             "inputs": [storage.redact(i) for i in self.inputs],
@@ -143,6 +148,7 @@ class StageStats:
             "examples": self.examples,
             "seconds": round(seconds, 3),
             "mb_per_s": round(self.bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
+            **ran_on,
             **self.extra,
         }
 
@@ -162,6 +168,9 @@ class StageDir:
     """Parts the workers uploaded to `parts` (a URL): name -> {bytes, sha256}, for the marker."""
     resumable: bool = False
     """Whether `local` is a partial output whose finished units are journaled (resume.py)."""
+    nodes: Counter | None = None
+    """On a Ray cluster: the stage's tasks so far by the id of the node each ran on (`cluster.count_nodes`);
+    None on local workers."""
 
     def journal(self, name: str = "units") -> Journal | None:
         """The journal of pass `name` (for `run_units`), or None when this output is not resumable;
@@ -183,7 +192,20 @@ def stage_output(
     tasks: the old marker and objects are removed and the stage tag written first (a reader then
     refuses the prefix until the marker comes, last). An existing `out` is a data error unless
     --overwrite. Given `run` (a `resume.header`), a local `out` is built in a partial directory
-    that a rerun of the same run resumes (resume.py)."""
+    that a rerun of the same run resumes (resume.py). With a Ray cluster, the StageDir's `nodes` counts
+    the block's tasks by the node each ran on (for `StageStats.as_dict`)."""
+    with _output_dir(out, overwrite, stage, workers, run) as dest:
+        if not isinstance(workers, RayCluster):
+            yield dest
+            return
+        with count_nodes() as nodes:
+            dest.nodes = nodes
+            yield dest
+
+
+@contextlib.contextmanager
+def _output_dir(out: str | Path, overwrite: bool, stage: str, workers: Workers, run: dict | None):
+    """`stage_output`'s directory (or staging directory and URL)."""
     storage.check_scheme(out, f"data {stage} --out")
     if not storage.is_url(out) and run is not None:
         with resumable_dir(storage.local(out), f"data {stage}", overwrite, run) as tmp:
@@ -609,7 +631,7 @@ def run_document_stage(
             if r["part"]:
                 parts.append(r["part"])
         check_bad_fraction(stats.read, read.max_bad_fraction, f"data {stage}")
-        result = stats.as_dict()
+        result = stats.as_dict(dest.nodes)
         result["parts"] = parts
         if postprocess is not None:
             postprocess(result)

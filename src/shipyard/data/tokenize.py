@@ -172,7 +172,7 @@ def run_tokenize(
         stats.bytes_out = sum(
             len(shard_header(dtype, s["tokens"])) + s["tokens"] * dtype.itemsize for s in shards
         )
-        result = stats.as_dict()
+        result = stats.as_dict(dest.nodes)
         result.update(
             tokens=total_tokens,
             shards=len(shards),
