@@ -349,19 +349,6 @@ def analytic(
     extra = _rl_bytes(cfg, rl, state, n_dev) if rl is not None else None
     if extra is not None:
         state["reference"] = extra["reference"]
-    total = (
-        state["params"]
-        + state["grads"]
-        + state["optimizer"]
-        + copy
-        + state["reference"]
-        + act["activations"]
-        + act["logits"]
-        - host["resident"]
-        + host["streamed"]
-    )
-    if extra is not None:
-        total += extra["rollout_kv"] + extra["rollout_params"]
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     step_tokens = cfg.train.global_batch_size * cfg.data.seq_len
     pipeline = _pipeline(layout)
@@ -374,31 +361,8 @@ def analytic(
         "device": asdict(device),
         "params_total": num_params(cfg.model),
         "params_active": num_active_params(cfg.model),
-        # shipyard's policy (module doc); optimizer: 8 for AdamW, between 4 and 8 with Muon.
-        "bytes_per_param": {
-            # 4 (fp32); a QLoRA base (quantized_base) lowers the average
-            "params": state["params"] / max(state["params_count_local"], 1.0),
-            # averaged over all params: with train.finetune only the trainable ones have these
-            "grads": state["grads"] / max(state["params_count_local"], 1.0),
-            "optimizer": state["optimizer"] / max(state["params_count_local"], 1.0),
-        },
-        "bytes": {
-            "params": state["params"],
-            "grads": state["grads"],
-            "optimizer": state["optimizer"],
-            "compute_copy": copy,
-            "reference": state["reference"],
-            "activations": act["activations"],
-            "logits": act["logits"],
-            "offloaded": host["resident"],
-            "offload_streamed": host["streamed"],
-            **(
-                {"rollout_kv": extra["rollout_kv"], "rollout_params": extra["rollout_params"]}
-                if extra is not None
-                else {}
-            ),
-            "total": total,
-        },
+        "bytes_per_param": _bytes_per_param(state),
+        "bytes": _device_bytes(state, copy, act, host, extra),
         "pipeline": pipeline,
         "context": layout.context,
         "attention_impl": act["attention_impl"],
@@ -419,6 +383,54 @@ def analytic(
         seconds = tokens / out["tokens_per_second"]
         out.update(token_budget=tokens, days=seconds / 86400, device_hours=seconds * n_dev / 3600)
     return out
+
+
+def _bytes_per_param(state: dict) -> dict[str, float]:
+    """The train state's bytes per parameter on a device: params, grads and optimizer state."""
+    # shipyard's policy (module doc); optimizer: 8 for AdamW, between 4 and 8 with Muon.
+    return {
+        # 4 (fp32); a QLoRA base (quantized_base) lowers the average
+        "params": state["params"] / max(state["params_count_local"], 1.0),
+        # averaged over all params: with train.finetune only the trainable ones have these
+        "grads": state["grads"] / max(state["params_count_local"], 1.0),
+        "optimizer": state["optimizer"] / max(state["params_count_local"], 1.0),
+    }
+
+
+def _device_bytes(state: dict, copy: float, act: dict, host: dict, extra: dict | None) -> dict[str, float]:
+    """Each term of a device's memory and their total: the train state, the compute copy, the
+    reference, activations and logits, less what is offloaded (plus what streams back), and with
+    `extra` (--rl) the rollout engine's KV cache and weights."""
+    total = (
+        state["params"]
+        + state["grads"]
+        + state["optimizer"]
+        + copy
+        + state["reference"]
+        + act["activations"]
+        + act["logits"]
+        - host["resident"]
+        + host["streamed"]
+    )
+    if extra is not None:
+        total += extra["rollout_kv"] + extra["rollout_params"]
+    return {
+        "params": state["params"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"],
+        "compute_copy": copy,
+        "reference": state["reference"],
+        "activations": act["activations"],
+        "logits": act["logits"],
+        "offloaded": host["resident"],
+        "offload_streamed": host["streamed"],
+        **(
+            {"rollout_kv": extra["rollout_kv"], "rollout_params": extra["rollout_params"]}
+            if extra is not None
+            else {}
+        ),
+        "total": total,
+    }
 
 
 # ----------------------------------------------------------------------------- rl
@@ -848,8 +860,14 @@ def _rl_lines(rl: dict | None, b: dict) -> list[str]:
 
 def render(p: dict) -> str:
     """The plan as text a person reads."""
+    lines = [*_analytic_lines(p), *_compiled_lines(p), *_time_lines(p), _verdict_line(p)]
+    return "\n".join(lines)
+
+
+def _analytic_lines(p: dict) -> list[str]:
+    """The mesh, the parameters, and the analytic per-device bytes, attention and pipeline."""
     b, bpp, rl = p["bytes"], p["bytes_per_param"], p.get("rl")
-    lines = [
+    return [
         f"mesh {p['mesh']} = {p['devices']} x {p['device']['name']} ({_fmt(p['device']['memory_bytes'])} each)",
         f"parameters: {p['params_total']:,} total, {p['params_active']:,} active per token",
         f"train state per parameter: params {bpp['params']:.3g} B "
@@ -890,7 +908,13 @@ def render(p: dict) -> str:
         + (f"; a ring over context={p['context']})" if p["context"] > 1 else ")"),
         *_pipeline_line(p.get("pipeline")),
     ]
-    c = p.get("compiled")
+
+
+def _compiled_lines(p: dict) -> list[str]:
+    """XLA's per-device bytes and FLOPs of the compiled step (when there is one), its stand-ins, and
+    with --rl what the verdict adds to its peak."""
+    c, rl = p.get("compiled"), p.get("rl")
+    lines: list[str] = []
     if c:
         how = (
             f" (extrapolated from {c['compiled_layers'][0]} and {c['compiled_layers'][1]} layers"
@@ -926,7 +950,12 @@ def render(p: dict) -> str:
             f"  + rl          {_fmt(judged_bytes(p) - c['peak_bytes'])}  (rollout KV + rollout copy + reference: "
             f"not in the compiled trainer step, added to its peak for the verdict) = {_fmt(judged_bytes(p))}"
         )
-    lines += [
+    return lines
+
+
+def _time_lines(p: dict) -> list[str]:
+    """FLOPs, the step time and throughput at the plan's MFU, and the token budget's days."""
+    lines = [
         f"FLOPs: {p['flops_per_token']:.4g} per token (6 x active params + attention), {p['flops_per_step']:.4g} per step",
         f"at {p['mfu']:.0%} MFU: {p['step_seconds']:.3g} s per step, {p['tokens_per_second']:,.0f} tokens/s",
     ]
@@ -934,26 +963,27 @@ def render(p: dict) -> str:
         lines.append(
             f"{p['token_budget']:.3g} tokens: {p['days']:,.1f} days, {p['device_hours']:,.0f} device-hours"
         )
+    return lines
+
+
+def _verdict_line(p: dict) -> str:
+    """Whether the step fits the device's memory (the compiled peak when there is one), and what to
+    change when it does not."""
+    b, c, rl = p["bytes"], p.get("compiled"), p.get("rl")
     if p["fits"] and rl:
-        lines.append(
+        return (
             f"verdict: fits ({_fmt(judged_bytes(p))} of {_fmt(p['device']['memory_bytes'])} on the mesh's first "
             "device, rollout engine and reference included)"
         )
-    elif p["fits"]:
-        lines.append(
-            f"verdict: fits ({_fmt((c or {}).get('peak_bytes') or b['total'])} of {_fmt(p['device']['memory_bytes'])} per device)"
-        )
-    elif rl:
-        lines.append(
+    if p["fits"]:
+        return f"verdict: fits ({_fmt((c or {}).get('peak_bytes') or b['total'])} of {_fmt(p['device']['memory_bytes'])} per device)"
+    if rl:
+        return (
             f"verdict: does NOT fit in {_fmt(p['device']['memory_bytes'])} on the mesh's first device "
             f"({_fmt(judged_bytes(p))}, rollout engine and reference included); " + "; ".join(p["advice"])
         )
-    else:
-        lines.append(
-            f"verdict: does NOT fit in {_fmt(p['device']['memory_bytes'])} per device; "
-            + "; ".join(p["advice"])
-        )
-    return "\n".join(lines)
+    advice = "; ".join(p["advice"])
+    return f"verdict: does NOT fit in {_fmt(p['device']['memory_bytes'])} per device; {advice}"
 
 
 # ----------------------------------------------------------------------------- measured

@@ -282,6 +282,25 @@ def register(sub) -> None:
     sl.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     sl.set_defaults(func=_cmd_data_stdlib)
 
+    _register_stages(data_sub)
+    _register_classifier(data_sub)
+
+    pr = data_sub.add_parser("prepare", help="run the whole data chain from one YAML config")
+    pr.add_argument("config", type=Path, help="prepare config (see docs/data.md)")
+    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    pr.add_argument("--overwrite", action="store_true", help="redo stages whose config or inputs changed")
+    pr.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP + " (the config's `ray`)")
+    pr.set_defaults(func=_cmd_data_prepare)
+
+    _register_plan(data_sub)
+
+    ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
+    ve.add_argument("shards", type=location, help="token shard directory (or its URL)")
+    ve.set_defaults(func=_cmd_data_verify)
+
+
+def _register_stages(data_sub) -> None:
+    """One subcommand per data stage (extract, filter, dedup, decontaminate, tokenizer-train, tokenize)."""
     stages = {
         "extract": "HTML to main-content text (resiliparse)",
         "filter": "heuristic quality filters (Gopher/C4 rules; prose and code profiles)",
@@ -312,15 +331,9 @@ def register(sub) -> None:
         )
         st.set_defaults(func=func)
 
-    _register_classifier(data_sub)
 
-    pr = data_sub.add_parser("prepare", help="run the whole data chain from one YAML config")
-    pr.add_argument("config", type=Path, help="prepare config (see docs/data.md)")
-    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
-    pr.add_argument("--overwrite", action="store_true", help="redo stages whose config or inputs changed")
-    pr.add_argument("--ray", metavar="ADDRESS", default=None, help=RAY_HELP + " (the config's `ray`)")
-    pr.set_defaults(func=_cmd_data_prepare)
-
+def _register_plan(data_sub) -> None:
+    """`data plan`: a corpus size, the nodes it runs on, and the rates to assume."""
     pl = data_sub.add_parser(
         "plan",
         help="estimate each stage's units, shuffled bytes, memory, requests and wall time for a corpus "
@@ -346,7 +359,3 @@ def register(sub) -> None:
     )
     pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
     pl.set_defaults(func=_cmd_data_plan)
-
-    ve = data_sub.add_parser("verify", help="check token shards against their manifest (sizes and sha256)")
-    ve.add_argument("shards", type=location, help="token shard directory (or its URL)")
-    ve.set_defaults(func=_cmd_data_verify)

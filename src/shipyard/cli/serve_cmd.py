@@ -88,6 +88,30 @@ def register(sub) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)"
     )
     add_model_dir(sv)
+    _add_server_flags(sv)
+    _add_engine_flags(sv)
+    sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
+    sv.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="keep compiled programs here so a restart skips compiling (default: $JAX_COMPILATION_CACHE_DIR, "
+        "else ~/.cache/shipyard/xla; off: compile every start)",
+    )
+    add_template_flag(sv, "chat template (default: the one the run trained with, else the model's own)")
+    sv.add_argument(
+        "--tool-parser",
+        choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+        default="auto",
+        help="the tool-call format replies are read in for chat requests with tools (default auto: from "
+        "the chat template; none: tool_choice auto is refused)",
+    )
+    add_quantize_flags(sv)
+    sv.set_defaults(func=_cmd_serve)
+
+
+def _add_server_flags(sv) -> None:
+    """Where the server listens, who may use it, the --watch run and the model's name in the API."""
     sv.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -115,6 +139,10 @@ def register(sub) -> None:
     sv.add_argument(
         "--model-name", default=None, help="the model's name in the API (default: the directory's)"
     )
+
+
+def _add_engine_flags(sv) -> None:
+    """The engine's shape and shortcuts: cache rows and slots, steps per call, prefix cache, speculation."""
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
     sv.add_argument(
         "--max-len",
@@ -162,21 +190,3 @@ def register(sub) -> None:
         help="a smaller model directory with the same tokenizer that makes the guesses (default: prompt "
         "lookup, the tokens that followed the reply's last few tokens earlier in its context)",
     )
-    sv.add_argument("--max-body-mb", type=float, default=1.0, help="refuse request bodies above this size")
-    sv.add_argument(
-        "--compile-cache",
-        default=None,
-        metavar="DIR|off",
-        help="keep compiled programs here so a restart skips compiling (default: $JAX_COMPILATION_CACHE_DIR, "
-        "else ~/.cache/shipyard/xla; off: compile every start)",
-    )
-    add_template_flag(sv, "chat template (default: the one the run trained with, else the model's own)")
-    sv.add_argument(
-        "--tool-parser",
-        choices=("auto", "hermes", "llama3_json", "mistral", "none"),
-        default="auto",
-        help="the tool-call format replies are read in for chat requests with tools (default auto: from "
-        "the chat template; none: tool_choice auto is refused)",
-    )
-    add_quantize_flags(sv)
-    sv.set_defaults(func=_cmd_serve)

@@ -148,25 +148,7 @@ def run_tokenize(
         storage.remove(f"{scratch.stage_dir}/{TOKEN_SCRATCH}")
         _copy_tokenizer(tokenizer_path, tmp)
         total_tokens = sum(s["tokens"] for s in shards)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "shipyard_version": __version__,
-            "tokenizer": {
-                "file": TOKENIZER_FILE,
-                "sha256": tokenizer_sha256(tokenizer_path),
-                "source": storage.redact(named),
-            },
-            "vocab_size": vocab_size,
-            "dtype": dtype.name,
-            "eos_id": ids["eos_token"],
-            "bos_id": ids["bos_token"],
-            "pad_id": ids["pad_token"],
-            "add_bos": cfg.add_bos,
-            "documents": sum(s["documents"] for s in shards),
-            "tokens": total_tokens,
-            "shards": shards,
-            "sources": per_source,
-        }
+        manifest = _manifest(named, tokenizer_path, vocab_size, dtype, ids, cfg, shards, per_source)
         write_json(tmp / MANIFEST, manifest)
         stats.documents_out = manifest["documents"]
         stats.bytes_out = sum(
@@ -180,6 +162,32 @@ def run_tokenize(
         )
         write_json(tmp / "stats.json", result)
     return result
+
+
+def _manifest(
+    named, tokenizer_path: Path, vocab_size: int, dtype, ids: dict, cfg: TokenizeConfig, shards, per_source
+) -> dict:
+    """The shard directory's manifest.json: format, tokenizer (file, sha256, where it came from as
+    given), vocabulary, dtype, special ids, the shards and the counts per source."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "shipyard_version": __version__,
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": tokenizer_sha256(tokenizer_path),
+            "source": storage.redact(named),
+        },
+        "vocab_size": vocab_size,
+        "dtype": dtype.name,
+        "eos_id": ids["eos_token"],
+        "bos_id": ids["bos_token"],
+        "pad_id": ids["pad_token"],
+        "add_bos": cfg.add_bos,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "shards": shards,
+        "sources": per_source,
+    }
 
 
 def _copy_tokenizer(tokenizer_path: Path, out: Path) -> None:

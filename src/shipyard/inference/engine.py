@@ -400,6 +400,59 @@ def _prefill_pieces(
     return logits, KVCache(shift(scratch.k), shift(scratch.v)), store
 
 
+def _prefill(
+    params, tokens, start, store, hit_ids, hit_count, put, *, cfg, kv_dtype, chunk: int, aligned: bool
+):
+    """`_admit`'s prefill of m prompts (tokens [m, P]): (the logits at each prompt's last token
+    [m, vocab], their cache [m rows of P slots], store).
+
+    A bucket of up to `chunk` (static) slots is one piece: `tokens` come left-padded (row i's prompt
+    at slots start[i]..P-1) and are prefilled in one forward into the decode row's layout. A longer
+    one comes left-aligned (row i's prompt at slots 0..P-start[i]-1) and is computed in pieces on a
+    fixed grid (`_prefill_pieces`, `prefix_cache.prefill_grid`), each piece attending over the pieces
+    before it. `aligned` (static; an Engine built with training_numerics): every prompt comes left-aligned
+    (start[i] is then its row's count of trailing pads) and stays so in its decode row. With the
+    prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
+    `hit_count` pieces come from store blocks `hit_ids` and are not computed, and piece j is kept
+    in store block put[j] afterwards. (The one-piece path is the layout the engine had before
+    pieces: it compiles and runs as fast as then, and a prompt of one piece never uses the store.)
+    """
+    m, P = tokens.shape
+    piece, span = prefill_grid(P, chunk)
+    # The prompt's cache is its bucket long, not max_len: its attention covers only the keys the
+    # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
+    if span == piece and aligned:  # one piece, left-aligned: each row's logits at its last token
+        zero = jnp.zeros_like(start)
+        logits, cache = forward_cached(
+            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, zero, cfg, logits_at=P - start - 1
+        )
+        return logits[:, 0], cache, store
+    if span == piece:  # one piece, already left-padded (`Engine._start`): straight into the decode layout
+        logits, cache = forward_cached(
+            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, start, cfg, last_only=True
+        )
+        return logits[:, -1], cache, store
+    return _prefill_pieces(
+        params, tokens, start, store, hit_ids, hit_count, put, piece, span, cfg, kv_dtype, aligned
+    )
+
+
+def _write_rows(caches, prefilled, src, slots, count, batch_axis: int):
+    """`caches` with row src[j] of the `prefilled` cache written into cache row slots[j], for each of
+    the first `count` requests (slots [0, P) of the row; the rest of it stays as it was)."""
+
+    def write(j, caches):  # one cache row per real request: no copy of a prompt's row per sample
+        def put(all_rows, new):
+            row = jax.lax.dynamic_slice_in_dim(new, src[j], 1, axis=batch_axis).astype(all_rows.dtype)
+            at = [jnp.int32(0)] * all_rows.ndim
+            at[batch_axis] = slots[j]
+            return jax.lax.dynamic_update_slice(all_rows, row, at)  # (slots [0, P) of the row)
+
+        return jax.tree.map(put, caches, prefilled)
+
+    return jax.lax.fori_loop(0, count, write, caches)
+
+
 def _admit(
     params,
     rows: Rows,
@@ -435,39 +488,25 @@ def _admit(
     Returns (first tokens [k], their logprobs, rows, caches, store). `settings` is (temperature,
     top_k, top_p, key), each [k], of the requests; `allowed` [k, words] restricts their first tokens
     when `masked` (structured output). `plain` (static): every request is greedy and none wants
-    log-probs (the program leaves out sampling and log-probs; see `Engine._tick`).
-
-    A bucket of up to `chunk` (static) slots is one piece: `tokens` come left-padded (row i's prompt
-    at slots start[i]..P-1) and are prefilled in one forward into the decode row's layout. A longer
-    one comes left-aligned (row i's prompt at slots 0..P-start[i]-1) and is computed in pieces on a
-    fixed grid (`_prefill_pieces`, `prefix_cache.prefill_grid`), each piece attending over the pieces
-    before it. `aligned` (static; an Engine built with training_numerics): every prompt comes left-aligned
-    (start[i] is then its row's count of trailing pads) and stays so in its decode row. With the
-    prefix cache (inference/prefix_cache.py; one prompt, m = 1) the first
-    `hit_count` pieces come from store blocks `hit_ids` and are not computed, and piece j is kept
-    in store block put[j] afterwards. (The one-piece path is the layout the engine had before
-    pieces: it compiles and runs as fast as then, and a prompt of one piece never uses the store.)
+    log-probs (the program leaves out sampling and log-probs; see `Engine._tick`). How the prompts
+    come laid out and how they are prefilled (in pieces, from the prefix cache's `store`, `aligned`):
+    `_prefill`.
     """
     temperature, top_k, top_p, key = settings
-    m, P = tokens.shape
-    piece, span = prefill_grid(P, chunk)
-    # The prompt's cache is its bucket long, not max_len: its attention covers only the keys the
-    # prompt has (a 16-token prompt of a 8,192-slot server once computed scores over all 8,192).
-    zero = jnp.zeros_like(start)
-    if span == piece and aligned:  # one piece, left-aligned: each row's logits at its last token
-        logits, cache = forward_cached(
-            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, zero, cfg, logits_at=P - start - 1
-        )
-        logits = logits[:, 0]
-    elif span == piece:  # one piece, already left-padded (`Engine._start`): straight into the decode layout
-        logits, cache = forward_cached(
-            params, tokens, init_cache(cfg, m, P, kv_dtype), 0, start, cfg, last_only=True
-        )
-        logits = logits[:, -1]
-    else:
-        logits, cache, store = _prefill_pieces(
-            params, tokens, start, store, hit_ids, hit_count, put, piece, span, cfg, kv_dtype, aligned
-        )
+    P = tokens.shape[1]
+    logits, cache, store = _prefill(
+        params,
+        tokens,
+        start,
+        store,
+        hit_ids,
+        hit_count,
+        put,
+        cfg=cfg,
+        kv_dtype=kv_dtype,
+        chunk=chunk,
+        aligned=aligned,
+    )
     logits = logits[src]
     token, key = pick_tokens(
         _restricted(logits, allowed, masked), key, temperature, top_k, top_p, may_sample=not plain
@@ -476,20 +515,9 @@ def _admit(
         logprobs = _no_logprobs(logits, token)
     else:
         logprobs = _reported_logprobs(logits, token, (temperature, top_k, top_p), sampling_logprobs)
-    prefilled = to_decode(cache)
-
-    def write(j, caches):  # one cache row per real request: no copy of a prompt's row per sample
-        def put(all_rows, new):
-            row = jax.lax.dynamic_slice_in_dim(new, src[j], 1, axis=batch_axis).astype(all_rows.dtype)
-            at = [jnp.int32(0)] * all_rows.ndim
-            at[batch_axis] = slots[j]
-            return jax.lax.dynamic_update_slice(all_rows, row, at)  # (slots [0, P) of the row)
-
-        return jax.tree.map(put, caches, prefilled)
-
-    caches = jax.lax.fori_loop(0, count, write, caches)
+    caches = _write_rows(caches, to_decode(cache), src, slots, count, batch_axis)
     if aligned:  # each row goes on after its own last token; no pads before it
-        pos, first = P - start[src], zero[src]
+        pos, first = P - start[src], jnp.zeros_like(start)[src]
     else:
         pos, first = jnp.full(src.shape[0], P, jnp.int32), start[src]
     new = (token, pos, first, key, temperature, top_k, top_p)
@@ -508,6 +536,134 @@ def prompt_bucket(n: int, max_len: int) -> int:
     """The padded prefill length for an n-token prompt: the next power of two from 16 (capped at
     max_len), so a server compiles a handful of prefill shapes, not one per prompt length."""
     return min(max(16, 1 << (n - 1).bit_length()), max_len)
+
+
+def _check_sizes(cfg: ModelConfig, max_len, max_batch, tokens_per_call, prefix_cache, prefill_chunk) -> None:
+    """Refuse a cache, call, prefix-cache or piece size an engine cannot have (ValueError)."""
+    if not 1 <= max_len <= cfg.max_seq_len:
+        raise ValueError(f"max_len must be in 1..{cfg.max_seq_len} (model.max_seq_len), got {max_len}")
+    if max_batch < 1 or tokens_per_call < 1:
+        raise ValueError("max_batch and tokens_per_call must be at least 1")
+    if prefix_cache < 0:
+        raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk is a number of tokens (at least 1), got {prefill_chunk}")
+
+
+def _check_speculation(speculate, draft, sampling_logprobs, fixed_shape) -> None:
+    """Refuse speculation settings that are out of range or break another setting's promise (ValueError)."""
+    if speculate < 0:
+        raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
+    if draft is not None and not speculate:
+        raise ValueError("a draft model drafts `speculate` tokens a call: give speculate >= 1 with it")
+    if speculate and sampling_logprobs:
+        raise ValueError(
+            "sampling_logprobs reports each step's sampling distribution; speculate checks drafts"
+        )
+    if speculate and fixed_shape:
+        # a check of k+1 positions rounds differently (within 1e-5) from one decode step
+        raise ValueError(
+            "speculate with fixed_shape: fixed_shape promises replies bitwise independent of other "
+            "requests, and whether a call speculates depends on them; use one of them"
+        )
+
+
+def _check_embedding(params) -> None:
+    """Refuse weights whose embedding is int8 (ValueError): the engine cannot generate with them."""
+    if quant.is_quantized(params.embed):
+        # forward_cached and decode_step look tokens up with jnp.take, which needs an array
+        raise ValueError(
+            "Engine: an int8 embedding (quantize_params(..., embed=True)) is for the full forward "
+            "only; quantize with embed=False (the default) to generate"
+        )
+
+
+def _batch_cache(cfg: ModelConfig, max_batch: int, max_len: int, kv_dtype, to_decode):
+    """The engine's KV cache, `max_batch` rows of `max_len` slots, in its decode path's layout."""
+    return jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
+
+
+def _prefix_store(cfg: ModelConfig, max_len: int, prefix_cache: int, prefill_chunk: int, kv_dtype):
+    """(the prefix cache's index, its store of K/V blocks) with room for `prefix_cache` prompts of up
+    to `prefix_cache.SLOTS` tokens in `prefill_chunk`-token blocks; (None, None) when it is off."""
+    if not prefix_cache:
+        return None, None
+    blocks = prefix_cache * -(-min(max_len, PREFIX_SLOTS) // prefill_chunk)
+    index = BlockIndex(blocks, prefill_chunk, prefix_cache)
+    return index, jax.jit(lambda: init_store(cfg, blocks, prefill_chunk, kv_dtype))()
+
+
+def _idle_rows(max_batch: int) -> Rows:
+    """The decode state of `max_batch` idle rows (zeros, greedy, a PRNG key each)."""
+
+    def zeros():  # a buffer per field: each is donated to the decode call
+        return jnp.zeros(max_batch, jnp.int32)
+
+    keys = jax.random.split(jax.random.key(0), max_batch)
+    return Rows(zeros(), zeros(), zeros(), keys, jnp.zeros(max_batch), zeros(), jnp.ones(max_batch))
+
+
+def _programs(
+    params, cfg: ModelConfig, path, kv_dtype, prefill_chunk, tokens_per_call, sampling_logprobs, aligned
+):
+    """The engine's jitted programs (each compiles per shape on first use): (admit: prefill prompts
+    and start requests on them, decode: `tokens_per_call` steps, verify: check speculation's drafts).
+    `aligned`: the prefill lays rows out as the trainer's, compiled with the decode step's options
+    (`Engine.training_numerics`)."""
+    admit = jax.jit(
+        partial(
+            _admit,
+            cfg=cfg,
+            kv_dtype=kv_dtype,
+            to_decode=path.to_decode,
+            batch_axis=path.axes["k"][0],
+            chunk=prefill_chunk,
+            sampling_logprobs=sampling_logprobs,
+            aligned=aligned,
+        ),
+        donate_argnums=(1, 2, 11),
+        static_argnames=("plain",),
+        compiler_options=decode_compiler_options(params) if aligned else None,
+    )
+    decode = jax.jit(
+        partial(
+            _decode_steps,
+            forward=path.forward,
+            chunk=tokens_per_call,
+            axes=path.axes,
+            sampling_logprobs=sampling_logprobs,
+        ),
+        donate_argnums=(1, 2),
+        static_argnames=("n_rows", "span", "plain"),
+        compiler_options=decode_compiler_options(params),
+    )
+    verify = jax.jit(
+        partial(_verify_drafts, forward=path.forward, axes=path.axes),
+        donate_argnums=(1, 2),
+        static_argnames=("n_rows", "span"),
+        compiler_options=decode_compiler_options(params),
+    )
+    return admit, decode, verify
+
+
+def _drafter(
+    draft, cfg: ModelConfig, max_batch: int, max_len: int, speculate: int, program
+) -> Drafter | None:
+    """The draft model that guesses speculation's tokens, from `draft` = (params, cfg); None (no
+    `draft`): replies draft from their own context (prompt lookup)."""
+    if draft is None:
+        return None
+    draft_params, draft_cfg = draft
+    return Drafter(
+        draft_params,
+        draft_cfg,
+        max_batch=max_batch,
+        max_len=max_len,
+        k=speculate,
+        vocab=cfg.vocab_size,
+        program=program,
+        compiler_options=decode_compiler_options(draft_params),
+    )
 
 
 class Engine:
@@ -533,28 +689,8 @@ class Engine:
         training_numerics: bool = False,
     ):
         max_len = cfg.max_seq_len if max_len is None else max_len
-        if not 1 <= max_len <= cfg.max_seq_len:
-            raise ValueError(f"max_len must be in 1..{cfg.max_seq_len} (model.max_seq_len), got {max_len}")
-        if max_batch < 1 or tokens_per_call < 1:
-            raise ValueError("max_batch and tokens_per_call must be at least 1")
-        if prefix_cache < 0:
-            raise ValueError(f"prefix_cache is a number of prompts to keep (0: off), got {prefix_cache}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk is a number of tokens (at least 1), got {prefill_chunk}")
-        if speculate < 0:
-            raise ValueError(f"speculate is a number of draft tokens per call (0: off), got {speculate}")
-        if draft is not None and not speculate:
-            raise ValueError("a draft model drafts `speculate` tokens a call: give speculate >= 1 with it")
-        if speculate and sampling_logprobs:
-            raise ValueError(
-                "sampling_logprobs reports each step's sampling distribution; speculate checks drafts"
-            )
-        if speculate and fixed_shape:
-            # a check of k+1 positions rounds differently (within 1e-5) from one decode step
-            raise ValueError(
-                "speculate with fixed_shape: fixed_shape promises replies bitwise independent of other "
-                "requests, and whether a call speculates depends on them; use one of them"
-            )
+        _check_sizes(cfg, max_len, max_batch, tokens_per_call, prefix_cache, prefill_chunk)
+        _check_speculation(speculate, draft, sampling_logprobs, fixed_shape)
         self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
         self.share_prefill = share_prefill
         """Requests admitted together with the same prompt (n samples, RL's group) share one prefill
@@ -576,100 +712,59 @@ class Engine:
         its greedy output) is bitwise the same whatever else runs. Sized calls (the default) are faster
         for few or short requests, but a different row count or span is a different program whose
         float rounding may differ: a near-tie can then go the other way."""
-        if quant.is_quantized(params.embed):
-            # forward_cached and decode_step look tokens up with jnp.take, which needs an array
-            raise ValueError(
-                "Engine: an int8 embedding (quantize_params(..., embed=True)) is for the full forward "
-                "only; quantize with embed=False (the default) to generate"
-            )
+        _check_embedding(params)
         self.params = jax.tree.map(jnp.asarray, params)
         kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype(self.params))
         path = decode_path(self.params, cfg)
-        self._decode_weights_of, forward, to_decode, axes = (
-            path.prepare,
-            path.forward,
-            path.to_decode,
-            path.axes,
-        )
+        self._decode_weights_of = path.prepare
         self.decode_weights = self._decode_weights_of(self.params)
         self.fingerprint = fingerprint
         """The content hash of the weights serving now (given by the caller: `hot_swap.fingerprint`)."""
         self._queued = (self.params, fingerprint)  # what a request queued now will run on
         self._queue_lock = threading.Lock()  # a swap and a caller's several requests queue one at a time
         self._swap: _Swap | None = None  # taken from the queue: waits for the requests ahead of it
-        batch_axis = axes["k"][0]
         self.kv_dtype = kv_dtype
         """The KV cache's dtype (default: the embedding's, fp32 for int8 weights)."""
         self.uses_cpu_decode = path.cpu
         """Whether decode runs `cpu_decode.decode_step` (else `decode.forward_cached`)."""
-        self._caches = jax.jit(lambda: to_decode(init_cache(cfg, max_batch, max_len, kv_dtype)))()
+        self._caches = _batch_cache(cfg, max_batch, max_len, kv_dtype, path.to_decode)
         self.prefill_chunk = prefill_chunk
         """Tokens of a prompt prefilled per piece (`_admit`), and the prefix cache's block size."""
-        blocks = prefix_cache * -(-min(max_len, PREFIX_SLOTS) // prefill_chunk)
-        self.prefix = BlockIndex(blocks, prefill_chunk, prefix_cache) if prefix_cache else None
+        prefix, self._store = _prefix_store(cfg, max_len, prefix_cache, prefill_chunk, kv_dtype)
+        self.prefix = prefix
         """The prefix cache's index (None: off); its counters are what /metrics reports."""
-        self._store = (
-            jax.jit(lambda: init_store(cfg, blocks, prefill_chunk, kv_dtype))() if prefix_cache else None
+        self._rows = _idle_rows(max_batch)
+        self.tokens_per_call = tokens_per_call
+        self._init_programs(path, kv_dtype)
+        self._init_speculation(speculate, draft)
+        self.mask_words = -(-cfg.vocab_size // 32)
+        """uint32 words of a token mask (`Request.constraint`)."""
+        self._open: dict[int, jax.Array] = {}  # all-allowed masks by row count, kept on the device
+        self._init_loop_state()
+
+    def _init_programs(self, path, kv_dtype) -> None:
+        """The jitted programs of this engine's settings (`_programs`) and the ones compiled aside."""
+        self._admit, self._decode, self._verify = _programs(
+            self.params,
+            self.cfg,
+            path,
+            kv_dtype,
+            self.prefill_chunk,
+            self.tokens_per_call,
+            self.sampling_logprobs,
+            self.training_numerics,
         )
         # programs compiled on first use: Compiled, None while compiling
         self._aside: dict[tuple, object] = {}
         self._lazy = False  # compile(first_only=True): decode shapes and prefill buckets come from _aside
         self._compiler = None  # the thread that compiles them for a started engine
 
-        def zeros():  # a buffer per field: each is donated to the decode call
-            return jnp.zeros(max_batch, jnp.int32)
-
-        keys = jax.random.split(jax.random.key(0), max_batch)
-        self._rows = Rows(zeros(), zeros(), zeros(), keys, jnp.zeros(max_batch), zeros(), jnp.ones(max_batch))
-        self._admit = jax.jit(
-            partial(
-                _admit,
-                cfg=cfg,
-                kv_dtype=kv_dtype,
-                to_decode=to_decode,
-                batch_axis=batch_axis,
-                chunk=prefill_chunk,
-                sampling_logprobs=sampling_logprobs,
-                aligned=training_numerics,
-            ),
-            donate_argnums=(1, 2, 11),
-            static_argnames=("plain",),
-            compiler_options=decode_compiler_options(self.params) if training_numerics else None,
-        )
-        self._decode = jax.jit(
-            partial(
-                _decode_steps,
-                forward=forward,
-                chunk=tokens_per_call,
-                axes=axes,
-                sampling_logprobs=sampling_logprobs,
-            ),
-            donate_argnums=(1, 2),
-            static_argnames=("n_rows", "span", "plain"),
-            compiler_options=decode_compiler_options(self.params),
-        )
-        self._verify = jax.jit(
-            partial(_verify_drafts, forward=forward, axes=axes),
-            donate_argnums=(1, 2),
-            static_argnames=("n_rows", "span"),
-            compiler_options=decode_compiler_options(self.params),
-        )
+    def _init_speculation(self, speculate: int, draft) -> None:
+        """Speculation's settings, its draft model (`_drafter`) and the counters /metrics reports."""
         self.speculate = speculate
         """Draft tokens a reply checks per call (inference/speculation.py; 0: off)."""
-        self.draft = None
+        self.draft = _drafter(draft, self.cfg, self.max_batch, self.max_len, speculate, self._program)
         """The draft model (`draft_model.Drafter`) that makes the drafts; None: prompt lookup."""
-        if draft is not None:
-            draft_params, draft_cfg = draft
-            self.draft = Drafter(
-                draft_params,
-                draft_cfg,
-                max_batch=max_batch,
-                max_len=max_len,
-                k=speculate,
-                vocab=cfg.vocab_size,
-                program=self._program,
-                compiler_options=decode_compiler_options(draft_params),
-            )
         self.drafted = 0
         """Draft tokens checked (counted for /metrics)."""
         self.accepted = 0
@@ -677,12 +772,13 @@ class Engine:
         self._kept_per_call = 1.0  # running mean of drafts kept per speculative call
         self._pause = 0  # plain calls left before speculation is tried again
         self._next_pause = speculation.PAUSE_CALLS  # the length of the next pause
-        self.tokens_per_call = tokens_per_call
-        self.mask_words = -(-cfg.vocab_size // 32)
-        """uint32 words of a token mask (`Request.constraint`)."""
-        self._open: dict[int, jax.Array] = {}  # all-allowed masks by row count, kept on the device
-        self._pos = [0] * max_batch  # each slot's cache position as the host knows it (busy slots: exact)
-        self._slots: list[Request | None] = [None] * max_batch
+
+    def _init_loop_state(self) -> None:
+        """The host's side of the loop: each slot's request and position, the queue, the thread."""
+        self._pos = [
+            0
+        ] * self.max_batch  # each slot's cache position as the host knows it (busy slots: exact)
+        self._slots: list[Request | None] = [None] * self.max_batch
         self._pending: queue.SimpleQueue[Request | list[Request] | None] = queue.SimpleQueue()
         self._held: list[Request] | None = None  # a group taken from the queue, waiting for enough slots
         self._thread: threading.Thread | None = None

@@ -360,6 +360,16 @@ def create_app(
     if service.metrics is None:
         service.metrics = ServeMetrics(service.engine, service.swapper)
 
+    _add_error_handlers(app)
+    _add_operations(app, service)
+    _add_openai_api(app, service)
+    _add_tokenizer_api(app, service)
+    return _Guard(app, api_key, max_body_bytes, service.metrics, admin_key)
+
+
+def _add_error_handlers(app) -> None:
+    """Every error as an OpenAI-style JSON error body: `ApiError`, HTTP errors, anything else as a 500."""
+
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
@@ -372,6 +382,10 @@ def create_app(
     async def server_error(_request, e: Exception):
         log.exception("request failed")
         return JSONResponse(ApiError(f"internal error: {e}", status=500).body(), status_code=500)
+
+
+def _add_operations(app, service: Service) -> None:
+    """The operator's routes: /health, /admin/weights and /admin/swap, /openapi.json, /metrics."""
 
     @app.get("/health")
     async def health():
@@ -412,6 +426,10 @@ def create_app(
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_openai_api(app, service: Service) -> None:
+    """OpenAI's routes: /v1/models (and one model), /v1/completions, /v1/chat/completions."""
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(service)]}
@@ -431,6 +449,10 @@ def create_app(
     async def chat(request: HttpRequest):
         body = _parse(ChatRequest, await request.body(), service)
         return await _chat(service, body, StreamingResponse)
+
+
+def _add_tokenizer_api(app, service: Service) -> None:
+    """vLLM's tokenizer routes (lm-eval tokenizes through them): /tokenizer_info, /tokenize, /detokenize."""
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -454,8 +476,6 @@ def create_app(
         if any(t >= vocab for t in body.tokens):
             raise ApiError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
         return {"prompt": service.decode(body.tokens)}
-
-    return _Guard(app, api_key, max_body_bytes, service.metrics, admin_key)
 
 
 def _model_card(service: Service) -> dict:

@@ -103,13 +103,109 @@ def load_service(
     else 0: off); `draft_model`: a model directory with the same vocabulary whose guesses they are
     (default: prompt lookup)."""
     from shipyard.data.tokenizer import load_tokenizer, special_token_ids
-    from shipyard.model.quantize import maybe_quantize
-    from shipyard.run.model_dir import chat_format_of, open_model_dir, run_template
+    from shipyard.run.model_dir import open_model_dir
 
     model_dir = open_model_dir(model, "serve", tokenizer)
     tok_dir = model_dir.require_tokenizer("serve")
     gen = model_dir.generation("serve")
     context = model_dir.config.model.max_seq_len
+    _check_flags(context, max_len, max_batch, tokens_per_call, prefix_cache)
+    prefix_cache, prefill_chunk, speculate = _resolve_defaults(
+        prefix_cache, prefill_chunk, speculate, draft_model, fixed_shape
+    )
+    tok = load_tokenizer(tok_dir)
+    draft = _draft_model(draft_model, tok) if draft_model is not None else None
+    ids = special_token_ids(tok_dir, tok)
+    chat, missing = _chat_format(model_dir, tok_dir, template)
+    cfg, step, params, weights = _load_weights(model_dir, model, step, quantize)
+    fitted = _fitted_max_len(params, cfg.model, max_len, max_batch, prefix_cache, kv_dtype)
+    engine = Engine(
+        params,
+        cfg.model,
+        max_batch=max_batch,
+        max_len=max_len if fitted is None else fitted[0],
+        kv_dtype=kv_dtype,
+        tokens_per_call=tokens_per_call,
+        fixed_shape=fixed_shape,
+        fingerprint=weights,
+        prefix_cache=prefix_cache,
+        prefill_chunk=prefill_chunk,
+        speculate=speculate,
+        draft=draft,
+    )
+    _describe(engine, _why_max_len(max_len, fitted, context), prefix_cache, draft, draft_model, speculate)
+    _warm_up(engine)
+    eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
+    specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
+    hf_template = _template_source(chat)
+    if tool_parser == "auto":
+        tool_parser = family_of(hf_template)
+    return Service(
+        name=name or Path(model).resolve().name,
+        engine=engine,
+        tok=tok,
+        eos_ids=eos,
+        chat=chat,
+        chat_missing=missing,
+        defaults=gen,
+        specials=specials,
+        chat_template=hf_template,
+        tool_parser=None if tool_parser == "none" else tool_parser,
+        swapper=_swapper(engine, model, step, tokenizer, quantize, tok_dir),
+    )
+
+
+def _chat_format(model_dir, tok_dir, template: str | None) -> tuple:
+    """(the chat format, "") of `template`, else of the run's template, else of the tokenizer's own;
+    (None, why there is none) when there is none (a chat request is refused with the reason)."""
+    from shipyard.run.model_dir import chat_format_of, run_template
+
+    chat, missing = None, ""
+    try:
+        chat = chat_format_of(tok_dir, template or run_template(model_dir.config))
+    except DataError as e:
+        missing = str(e)
+    return chat, missing
+
+
+def _load_weights(model_dir, model, step: int | None, quantize: str | None) -> tuple:
+    """(config, step, params, their fingerprint) of the model directory, quantized as asked; says
+    what was loaded, from where and how long it took."""
+    from shipyard.model.quantize import maybe_quantize
+
+    t0 = time.perf_counter()
+    cfg, step, params = model_dir.load(step, what="serve")  # (a refusal here is the only line printed)
+    params = maybe_quantize(params, cfg.model, quantize)
+    weights = fingerprint(params)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    where = f"{model}" + (f" checkpoint {step}" if step is not None else "")
+    _say(
+        f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded from {where} in {time.perf_counter() - t0:.1f} s"
+    )
+    return cfg, step, params, weights
+
+
+def _template_source(chat) -> str | None:
+    """The Hugging Face chat template's text the chat format renders with (None: a built-in format)."""
+    hf_template = getattr(getattr(chat, "template", None), "source", None)
+    return hf_template if isinstance(hf_template, str) else None
+
+
+def _swapper(engine: Engine, model, step: int | None, tokenizer, quantize: str | None, tok_dir) -> Swapper:
+    """What loads other weights of the same kind into `engine` (/admin/swap, --watch): the served
+    directory (a URL as given), its step, tokenizer, quantization and tokenizer digest."""
+    return Swapper(
+        engine,
+        str(Path(model).resolve()) if "://" not in str(model) else str(model),
+        step,
+        tokenizer=tokenizer,
+        quantize=quantize,
+        tokenizer_sha256=tokenizer_digest(tok_dir),
+    )
+
+
+def _check_flags(context: int, max_len, max_batch: int, tokens_per_call: int, prefix_cache) -> None:
+    """Refuse --max-len, --max-batch, --tokens-per-call and --prefix-cache out of range (ConfigError)."""
     if max_len is not None and not 1 <= max_len <= context:
         raise ConfigError(f"serve: --max-len {max_len} must be in 1..{context} (the model's context)")
     if max_batch < 1:
@@ -118,6 +214,12 @@ def load_service(
         raise ConfigError(f"serve: --tokens-per-call must be at least 1, got {tokens_per_call}")
     if prefix_cache is not None and prefix_cache < 0:
         raise ConfigError(f"serve: --prefix-cache is a number of prompts (0: off), got {prefix_cache}")
+
+
+def _resolve_defaults(
+    prefix_cache, prefill_chunk, speculate, draft_model, fixed_shape: bool
+) -> tuple[int, int, int]:
+    """(prefix_cache, prefill_chunk, speculate) with their defaults filled in, each checked (ConfigError)."""
     if prefill_chunk is None:
         prefill_chunk = PREFILL_CHUNK
     if prefill_chunk < 1:
@@ -136,56 +238,38 @@ def load_service(
             "differently (within 1e-5) from one step, so replies would depend on which calls speculated; "
             "leave one of them out"
         )
-    tok = load_tokenizer(tok_dir)
-    draft = _draft_model(draft_model, tok) if draft_model is not None else None
-    ids = special_token_ids(tok_dir, tok)
-    chat, missing = None, ""
-    try:
-        chat = chat_format_of(tok_dir, template or run_template(model_dir.config))
-    except DataError as e:
-        missing = str(e)
-    t0 = time.perf_counter()
-    cfg, step, params = model_dir.load(step, what="serve")  # (a refusal here is the only line printed)
-    params = maybe_quantize(params, cfg.model, quantize)
-    weights = fingerprint(params)
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    where = f"{model}" + (f" checkpoint {step}" if step is not None else "")
-    _say(
-        f"serve: {n / 1e6:.1f}M parameters ({weights}) loaded from {where} in {time.perf_counter() - t0:.1f} s"
+    return prefix_cache, prefill_chunk, speculate
+
+
+def _fitted_max_len(params, cfg, max_len, max_batch: int, prefix_cache: int, kv_dtype):
+    """`fitting_max_len` of this process's memory when no --max-len was given, on CPU (device memory
+    is XLA's own); else None."""
+    if max_len is not None or jax.default_backend() != "cpu":
+        return None
+    return fitting_max_len(
+        cfg,
+        weight_bytes(params),
+        max_batch,
+        prefix_cache,
+        kv_dtype or default_kv_dtype(params),
+        _memory(),
     )
-    fitted = None
-    if max_len is None and jax.default_backend() == "cpu":
-        fitted = fitting_max_len(
-            cfg.model,
-            weight_bytes(params),
-            max_batch,
-            prefix_cache,
-            kv_dtype or default_kv_dtype(params),
-            _memory(),
-        )
-    engine = Engine(
-        params,
-        cfg.model,
-        max_batch=max_batch,
-        max_len=max_len if fitted is None else fitted[0],
-        kv_dtype=kv_dtype,
-        tokens_per_call=tokens_per_call,
-        fixed_shape=fixed_shape,
-        fingerprint=weights,
-        prefix_cache=prefix_cache,
-        prefill_chunk=prefill_chunk,
-        speculate=speculate,
-        draft=draft,
-    )
+
+
+def _why_max_len(max_len, fitted, context: int) -> str:
+    """Why the cache has the slots it has, for the start-up line (`_fitted_max_len`'s `fitted`)."""
     if max_len is not None:
-        why = f"--max-len {max_len}"
-    elif fitted is not None and fitted[0] < context:
-        why = (
+        return f"--max-len {max_len}"
+    if fitted is not None and fitted[0] < context:
+        return (
             f"the model's context of {context} would take about {fitted[1] / 2**30:.1f} GiB with the rest of "
             f"the server, and {fitted[2] / 2**30:.1f} GiB is available: the longest that fits; --max-len L sets it"
         )
-    else:
-        why = "the model's whole context: --max-len L takes less"
+    return "the model's whole context: --max-len L takes less"
+
+
+def _describe(engine: Engine, why: str, prefix_cache: int, draft, draft_model, speculate: int) -> None:
+    """The start-up lines of the engine's memory: KV cache, prefix cache, draft model."""
     _say(
         f"serve: KV cache {engine.max_batch} rows x {engine.max_len} slots x {jnp.dtype(engine.kv_dtype).name} "
         f"= {engine.kv_cache_bytes() / 2**20:.1f} MiB (--max-batch {engine.max_batch}; {why})"
@@ -201,6 +285,10 @@ def load_service(
             f"serve: draft model {draft_model} ({n / 1e6:.1f}M parameters) guesses {speculate} tokens a call; "
             f"its KV cache {engine.draft.cache_bytes() / 2**20:.1f} MiB"
         )
+
+
+def _warm_up(engine: Engine) -> None:
+    """Compile what the first requests need (`_compile`), start the engine, compile the rest beside it."""
     _compile(engine)
     if jax.default_backend() == "cpu":  # (the allocator's business on CPU; device memory is XLA's own)
         from shipyard.cpu_tuning import release_free_memory
@@ -208,32 +296,6 @@ def load_service(
         release_free_memory()  # what loading and compiling freed, which the allocator would keep
     engine.start()
     engine.compile_rest()
-    eos = tuple(dict.fromkeys(i for i in (ids["eos_token"], *gen.eos_ids) if i is not None))
-    specials = {k: (tok.id_to_token(v) if v is not None else None) for k, v in ids.items()}
-    hf_template = getattr(getattr(chat, "template", None), "source", None)
-    hf_template = hf_template if isinstance(hf_template, str) else None
-    if tool_parser == "auto":
-        tool_parser = family_of(hf_template)
-    return Service(
-        name=name or Path(model).resolve().name,
-        engine=engine,
-        tok=tok,
-        eos_ids=eos,
-        chat=chat,
-        chat_missing=missing,
-        defaults=gen,
-        specials=specials,
-        chat_template=hf_template,
-        tool_parser=None if tool_parser == "none" else tool_parser,
-        swapper=Swapper(
-            engine,
-            str(Path(model).resolve()) if "://" not in str(model) else str(model),
-            step,
-            tokenizer=tokenizer,
-            quantize=quantize,
-            tokenizer_sha256=tokenizer_digest(tok_dir),
-        ),
-    )
 
 
 RUNTIME_BYTES = 1.6 * 2**30

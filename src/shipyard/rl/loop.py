@@ -25,6 +25,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -129,7 +130,43 @@ def run_rl(
         file_items, reward = None, tasks.Rewarder(tasks.checker(rl.task))
     held_out = _held_out(rl, file_items)
     source = PromptSource(rl, file_items, {tasks.prompt_key(item) for item in held_out})
+    encode, decode, stop_ids = _codec(model_dir, file_items, tok, eos)
 
+    cfg, _, params = model_dir.load(checkpoint, what="rl")
+    params = jax.tree.map(jnp.asarray, params)
+    longest = max(len(encode(item)) for item in [*held_out, *source.ahead(256)[0]])
+    model, length, place, trainable, frozen = _place(rl, cfg.model, params, longest)
+    del params  # (full training: `trainable` is it; otherwise `frozen` holds what the adapters go on)
+    engine = _engine(rl, model, length, place.engine_params(trainable, frozen))
+    learn, opt_state = _trainer(rl, model, length, place, trainable, frozen, engine)
+    groups_of = _sampler(rl, model, engine, place, frozen, encode, decode, stop_ids, reward, length, longest)
+    evaluate = partial(_evaluate, rl, held_out, groups_of)
+
+    saved = resume.complete_steps(out) if resuming else []
+    start = saved[0] if saved else 0
+    if start:
+        trainable, opt_state, source.next = resume.restore(out, start, trainable, opt_state)
+        engine.swap(place.engine_params(trainable, frozen))
+        say(f"rl: resuming {out} after step {start}")
+    if not resuming:
+        out.mkdir(parents=True)
+        (out / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
+    resume.cut_metrics(out / "metrics.jsonl", start if start else -1)  # (no state yet: from step 0 again)
+    last, trainable = _loop(
+        out, rl, start, source, groups_of, evaluate, learn, trainable, opt_state, reward, say
+    )
+    write_rl_report(out)
+    _save(out, place.engine_params(trainable, frozen), model_dir, tok_dir)
+    say(f"rl: wrote {out} (step {rl.steps}: {_show(last)}; report.md, plots/rl.png)")
+    return last
+
+
+def _codec(
+    model_dir, file_items: list[dict] | None, tok, eos: int
+) -> tuple[Callable, Callable, tuple[int, ...]]:
+    """(encode: a prompt item's token ids, decode: token ids' text, the ids that end a reply). A chat
+    item (`messages`, no `prompt`) is rendered with the model's own chat template, whose end-of-turn
+    ids then end a reply as EOS does."""
     chat = None
     if file_items is not None and any("prompt" not in item for item in file_items):
         chat = model_dir.chat_format(what="rl")  # chats are rendered with the model's own template
@@ -143,24 +180,33 @@ def run_rl(
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=False)
 
-    cfg, _, params = model_dir.load(checkpoint, what="rl")
-    params = jax.tree.map(jnp.asarray, params)
-    longest = max(len(encode(item)) for item in [*held_out, *source.ahead(256)[0]])
+    return encode, decode, stop_ids
+
+
+def _place(rl: RLConfig, model_cfg, params, longest: int) -> tuple:
+    """Size the run for prompts of up to `longest` tokens and place it on rl.mesh (rl/placement.py):
+    (the on-policy model config, its length: prompt + reply, the placement, the trainable part, the
+    frozen rest)."""
     length = -(-(longest + rl.max_tokens + 8) // 16) * 16  # prompt + reply, headroom for longer prompts
-    if length > cfg.model.max_seq_len:
+    if length > model_cfg.max_seq_len:
         raise ConfigError(
             f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "
-            f"{cfg.model.max_seq_len}; lower max_tokens"
+            f"{model_cfg.max_seq_len}; lower max_tokens"
         )
-    model = on_policy_model(cfg.model, length)  # the trainer's and the engine's (OUT keeps cfg.model)
+    model = on_policy_model(model_cfg, length)  # the trainer's and the engine's (OUT keeps cfg.model)
     place = placement_for(model, rl, length)
     partition = place.partition
     trainable, frozen = place.put(
         partition.initial(params, jax.random.key(rl.seed)), partition.frozen(params)
     )
-    del params  # (full training: `trainable` is it; otherwise `frozen` holds what the adapters go on)
-    engine = Engine(
-        place.engine_params(trainable, frozen),
+    return model, length, place, trainable, frozen
+
+
+def _engine(rl: RLConfig, model, length: int, params) -> Engine:
+    """The serving engine the rollouts run on: `length` slots a row, log-probs of the sampling
+    distribution, rows laid out and compiled as the trainer's (`Engine.training_numerics`)."""
+    return Engine(
+        params,
         model,
         max_batch=rl.max_batch,
         max_len=length,
@@ -168,17 +214,24 @@ def run_rl(
         share_prefill=rl.shared_prefill,
         training_numerics=True,
     )
-    optimizer = build_optimizer(rl)
-    opt_state = optimizer.init(trainable)
-    update = make_update(model, rl, optimizer, partition, place.layout)
-    # the KL's reference: the starting trainable part (with LoRA: the starting adapters, whose B = 0
-    # leaves the frozen model exactly as it was)
-    reference = jax.tree.map(jnp.copy, trainable) if rl.beta else None
+
+
+def _sampler(rl: RLConfig, model, engine, place, frozen, encode, decode, stop_ids, reward, length, longest):
+    """The run's `groups_of(items, step, replies, temperature, stream=0, train=False, trainable=None)`:
+    the items' prompts, `replies` rewarded replies each (seeded by step, item, reply and `stream`),
+    drawn by `engine`; with rl.fixed_shape, a training step's by the trainer's own program on
+    `trainable` (rl/fixed_rollout.py)."""
+    distribution = make_distribution(model, rl, place.partition, place.layout) if rl.fixed_shape else None
     rows = rl.prompts_per_step * rl.group_size
-    distribution = make_distribution(model, rl, partition, place.layout) if rl.fixed_shape else None
 
     def groups_of(
-        items, step: int, replies: int, temperature: float, stream: int = 0, train: bool = False
+        items,
+        step: int,
+        replies: int,
+        temperature: float,
+        stream: int = 0,
+        train: bool = False,
+        trainable=None,
     ) -> list[Group]:
         prompts = []
         for item in items:
@@ -202,28 +255,68 @@ def run_rl(
             return sample_fixed(bound, items, prompts, rows=rows, length=length, **how)
         return sample_groups(engine, items, prompts, temperature=temperature, **how)
 
-    def evaluate(step: int) -> dict:
-        if not held_out:
-            return {}
-        greedy = groups_of(held_out, step, 1, 0.0, stream=1)
-        sampled = groups_of(held_out, step, rl.pass_k, rl.temperature, stream=2)
-        rewards = np.array([g.replies[0].reward for g in greedy])
-        return {
-            "eval_reward": float(rewards.mean()),
-            "eval_pass@1": pass_at(greedy),
-            f"eval_pass@{rl.pass_k}": pass_at(sampled),
-        }
+    return groups_of
 
-    saved = resume.complete_steps(out) if resuming else []
-    start = saved[0] if saved else 0
-    if start:
-        trainable, opt_state, source.next = resume.restore(out, start, trainable, opt_state)
-        engine.swap(place.engine_params(trainable, frozen))
-        say(f"rl: resuming {out} after step {start}")
-    if not resuming:
-        out.mkdir(parents=True)
-        (out / "rl.yaml").write_text(yaml.safe_dump(rl.model_dump(mode="json"), sort_keys=False))
-    resume.cut_metrics(out / "metrics.jsonl", start if start else -1)  # (no state yet: from step 0 again)
+
+def _trainer(rl: RLConfig, model, length: int, place, trainable, frozen, engine) -> tuple[Callable, object]:
+    """(learn, the optimizer's starting state): `learn(groups, trainable, opt_state)` is `_learn` with
+    the run's optimizer update and KL reference."""
+    optimizer = build_optimizer(rl)
+    opt_state = optimizer.init(trainable)
+    update = make_update(model, rl, optimizer, place.partition, place.layout)
+    # the KL's reference: the starting trainable part (with LoRA: the starting adapters, whose B = 0
+    # leaves the frozen model exactly as it was)
+    reference = jax.tree.map(jnp.copy, trainable) if rl.beta else None
+    learn = partial(
+        _learn,
+        rl=rl,
+        update=update,
+        place=place,
+        frozen=frozen,
+        reference=reference,
+        length=length,
+        engine=engine,
+    )
+    return learn, opt_state
+
+
+def _evaluate(rl: RLConfig, held_out: list[dict], groups_of: Callable, step: int) -> dict:
+    """The held-out metrics at `step`: greedy reward and pass@1, sampled pass@k ({}: no held-out prompts)."""
+    if not held_out:
+        return {}
+    greedy = groups_of(held_out, step, 1, 0.0, stream=1)
+    sampled = groups_of(held_out, step, rl.pass_k, rl.temperature, stream=2)
+    rewards = np.array([g.replies[0].reward for g in greedy])
+    return {
+        "eval_reward": float(rewards.mean()),
+        "eval_pass@1": pass_at(greedy),
+        f"eval_pass@{rl.pass_k}": pass_at(sampled),
+    }
+
+
+def _learn(groups, trainable, opt_state, *, rl: RLConfig, update, place, frozen, reference, length, engine):
+    """`rl.updates_per_batch` optimizer steps on the batch of `groups` (advantages per group), then the
+    engine takes the new weights: (trainable, opt_state, the updates' metrics)."""
+    rows = rl.prompts_per_step * rl.group_size
+    metrics: dict = {}
+    rewards = np.stack([g.rewards() for g in groups])
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), rl.advantage))
+    batch = place.put_batch(build_batch(groups, adv, rows, length, rl))
+    for u in range(rl.updates_per_batch):
+        trainable, opt_state, m = update(trainable, opt_state, batch, frozen, reference)
+        if u == 0:  # the batch's first step: the policy is the sampler, ratio 1
+            metrics = {f"first_{k}": float(v) for k, v in m.items() if k.startswith(("ratio", "kl_rollout"))}
+        metrics.update({k: float(v) for k, v in m.items()})
+    engine.swap(place.engine_params(trainable, frozen))
+    return trainable, opt_state, metrics
+
+
+def _loop(
+    out: Path, rl: RLConfig, start: int, source, groups_of, evaluate, learn, trainable, opt_state, reward, say
+):
+    """The steps after `start` (0: a first evaluation) up to rl.steps: rollouts, `learn`, metrics to
+    OUT/metrics.jsonl and OUT/tb, held-out evaluation and saved state at their intervals. Returns
+    (the last step's metrics, the trained part)."""
     last: dict = {}
     # metrics.jsonl and TensorBoard (OUT/tb: a resumed run hides the events after its saved step)
     writer = MetricsWriter(out / "metrics.jsonl", out / "tb", purge_step=start + 1 if start else 0)
@@ -235,24 +328,13 @@ def run_rl(
         bar = progress(range(start + 1, rl.steps + 1), desc="rl", unit="step", initial=start, total=rl.steps)
         for step in bar:
             t0 = time.perf_counter()
-            groups, sampled, refills = _draw(rl, source, step, groups_of)
+            # (fixed-shape rollouts draw from the trainable part as it is at this step)
+            groups, sampled, refills = _draw(rl, source, step, partial(groups_of, trainable=trainable))
             rollout_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             metrics: dict = {}
             if groups:
-                rewards = np.stack([g.rewards() for g in groups])
-                adv = np.asarray(group_advantages(jnp.asarray(rewards), rl.advantage))
-                batch = place.put_batch(build_batch(groups, adv, rows, length, rl))
-                for u in range(rl.updates_per_batch):
-                    trainable, opt_state, m = update(trainable, opt_state, batch, frozen, reference)
-                    if u == 0:  # the batch's first step: the policy is the sampler, ratio 1
-                        metrics = {
-                            f"first_{k}": float(v)
-                            for k, v in m.items()
-                            if k.startswith(("ratio", "kl_rollout"))
-                        }
-                    metrics.update({k: float(v) for k, v in m.items()})
-                engine.swap(place.engine_params(trainable, frozen))
+                trainable, opt_state, metrics = learn(groups, trainable, opt_state)
             train_s = time.perf_counter() - t1
             last = _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward)
             if step % rl.eval_every == 0 or step == rl.steps:
@@ -261,10 +343,7 @@ def run_rl(
             if step % rl.save_every == 0 or step == rl.steps:
                 resume.save(out, step, trainable, opt_state, source.next)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}")
-    write_rl_report(out)
-    _save(out, place.engine_params(trainable, frozen), model_dir, tok_dir)
-    say(f"rl: wrote {out} (step {rl.steps}: {_show(last)}; report.md, plots/rl.png)")
-    return last
+    return last, trainable
 
 
 def _step_metrics(step, sampled, groups, refills, metrics, rollout_s, train_s, reward) -> dict:
