@@ -609,7 +609,7 @@ def _programs(
     """The engine's jitted programs (each compiles per shape on first use): (admit: prefill prompts
     and start requests on them, decode: `tokens_per_call` steps, verify: check speculation's drafts).
     `aligned`: the prefill lays rows out as the trainer's, compiled with the decode step's options
-    (`Engine.training_numerics`)."""
+    (`Engine(training_numerics=True)`)."""
     admit = jax.jit(
         partial(
             _admit,

@@ -204,7 +204,7 @@ def _place(rl: RLConfig, model_cfg, params, longest: int) -> tuple:
 
 def _engine(rl: RLConfig, model, length: int, params) -> Engine:
     """The serving engine the rollouts run on: `length` slots a row, log-probs of the sampling
-    distribution, rows laid out and compiled as the trainer's (`Engine.training_numerics`)."""
+    distribution, rows laid out and compiled as the trainer's (`Engine(training_numerics=True)`)."""
     return Engine(
         params,
         model,
@@ -295,7 +295,7 @@ def _evaluate(rl: RLConfig, held_out: list[dict], groups_of: Callable, step: int
 
 
 def _learn(groups, trainable, opt_state, *, rl: RLConfig, update, place, frozen, reference, length, engine):
-    """`rl.updates_per_batch` optimizer steps on the batch of `groups` (advantages per group), then the
+    """`RLConfig.updates_per_batch` optimizer steps on the batch of `groups` (advantages per group), then the
     engine takes the new weights: (trainable, opt_state, the updates' metrics)."""
     rows = rl.prompts_per_step * rl.group_size
     metrics: dict = {}
