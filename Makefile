@@ -30,12 +30,14 @@ quickstart: install
 # JOBS=1 runs them in this process.
 JOBS ?= 2
 XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+# The slowest tests printed at the end (DURATIONS=0: all, what tools/durations_table.py reads).
+DURATIONS ?= 30
 
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) --durations=30
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) --durations=$(DURATIONS)
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow $(XDIST) --durations=30
+	$(BIN)/python -m pytest -q -m slow $(XDIST) --durations=$(DURATIONS)
 
 # docs/browse/*.png, the screenshots docs/browse.md shows, taken by the browser tests themselves.
 browse-screenshots: install
