@@ -95,6 +95,32 @@ def runs(tmp_path_factory):
     return swap_runs(tmp_path_factory.mktemp("swap"))
 
 
+def test_a_quantized_server_quantizes_what_it_swaps_in_as_it_did_at_start_up(runs):
+    """(Before the tests below move the runs' checkpoints.) A server started with --quantize int8 (its Swapper given the setting) swapping in "other": the
+    engine then holds other's weights in int8 (the fingerprint of maybe_quantize(other, int8)) and
+    answers as a fresh engine on those weights; fp32 weights would not even fit the engine's int8
+    layout (the swap refused)."""
+    from shipyard.inference.hot_swap import Swapper
+    from shipyard.model.quantize import maybe_quantize
+    from shipyard.run.model_dir import open_model_dir
+
+    def int8(name):
+        cfg, step, params = open_model_dir(runs[name], "test").load()
+        return cfg.model, step, maybe_quantize(params, cfg.model, "int8")
+
+    cfg, step, served = int8("served")
+    _, _, other = int8("other")
+    prompt = list(range(5, 13))
+    want = _one(Engine(other, cfg, max_batch=1, max_len=32, fingerprint=fingerprint(other)), prompt, 8)
+    engine = Engine(served, cfg, max_batch=1, max_len=32, fingerprint=fingerprint(served)).start()
+    try:
+        swapper = Swapper(engine, str(runs["served"]), step, quantize="int8")
+        assert swapper.swap_to(runs["other"])["fingerprint"] == fingerprint(other)
+        assert engine.fingerprint == fingerprint(other) and _one(engine, prompt, 8) == want
+    finally:
+        engine.stop()
+
+
 @pytest.fixture(scope="module")
 def server(runs, tmp_path_factory):
     from serve_fixtures import running_server
@@ -257,29 +283,3 @@ def _swaps(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     family = next(f for f in text_string_to_metric_families(text) if f.name == "shipyard_weight_swaps")
     return {s.labels["result"]: s.value for s in family.samples if s.name.endswith("_total")}
-
-
-def test_a_quantized_server_quantizes_what_it_swaps_in_as_it_did_at_start_up(runs):
-    """A server started with --quantize int8 (its Swapper given the setting) swapping in "other": the
-    engine then holds other's weights in int8 (the fingerprint of maybe_quantize(other, int8)) and
-    answers as a fresh engine on those weights; fp32 weights would not even fit the engine's int8
-    layout (the swap refused)."""
-    from shipyard.inference.hot_swap import Swapper
-    from shipyard.model.quantize import maybe_quantize
-    from shipyard.run.model_dir import open_model_dir
-
-    def int8(name):
-        cfg, step, params = open_model_dir(runs[name], "test").load()
-        return cfg.model, step, maybe_quantize(params, cfg.model, "int8")
-
-    cfg, step, served = int8("served")
-    _, _, other = int8("other")
-    prompt = list(range(5, 13))
-    want = _one(Engine(other, cfg, max_batch=1, max_len=32, fingerprint=fingerprint(other)), prompt, 8)
-    engine = Engine(served, cfg, max_batch=1, max_len=32, fingerprint=fingerprint(served)).start()
-    try:
-        swapper = Swapper(engine, str(runs["served"]), step, quantize="int8")
-        assert swapper.swap_to(runs["other"])["fingerprint"] == fingerprint(other)
-        assert engine.fingerprint == fingerprint(other) and _one(engine, prompt, 8) == want
-    finally:
-        engine.stop()
