@@ -866,6 +866,37 @@ def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path
     )
 
 
+def test_a_structured_reply_reports_the_model_s_own_log_probs_before_the_mask(server, run_dir, tmp_path):
+    """The grammar's mask decides which tokens may come; the log-probs a structured reply reports are
+    still the model's own for the tokens chosen (docs/serving.md), not renormalised over the allowed
+    ones: each equals transformers' float64 forward on the exported weights within 1e-5, and the
+    tokens the grammar forced on this prose model (where the mask leaves one choice, renormalised
+    log-probs are 0) show how little the model wanted them."""
+    import numpy as np
+
+    from shipyard.data.tokenizer import load_tokenizer
+
+    prompt = [5, 17, 99, 3, 8, 2, 77, 41, 12, 6]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 1,
+            "response_format": fmt}  # fmt: skip
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    pieces, served = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+    hf, model_dir = _float64_model(run_dir, tmp_path)
+    tok = load_tokenizer(model_dir.tokenizer())
+    # each piece back to its id: a special token by name, any other by encoding its text (one token)
+    reply = [[tok.token_to_id(p)] if p.startswith("<|") else tok.encode(p).ids for p in pieces]
+    assert all(len(r) == 1 for r in reply), pieces
+    ids = [*prompt, *(r[0] for r in reply)]
+    assert json.loads(choice["text"])["name"] and tok.decode(ids[len(prompt) :]) == choice["text"]
+    _, logp = _float64_greedy(hf, ids, 0)
+    own = logp[np.arange(len(prompt) - 1, len(ids) - 1), ids[len(prompt) :]]
+    np.testing.assert_allclose(served, own, rtol=0, atol=1e-5)
+    assert min(served) < -1.0, served
+
+
 def _warm_prefix(server, head: list[int]) -> None:
     """Send a prompt starting with `head`, so its blocks are in the prefix cache."""
     body = {"model": "tiny-chat", "prompt": [*head, 5], "max_tokens": 1}
