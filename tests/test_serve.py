@@ -812,9 +812,10 @@ def test_requests_join_a_batch_that_is_already_decoding(slow_server):
         assert got[0] < long_times[-1] and got[-1] < long_times[-1], p  # served while the long one ran
 
 
-def _float64_model(run_dir, tmp_path):
+@pytest.fixture(scope="module")
+def float64_model(run_dir, tmp_path_factory):
     """(transformers' Llama in float64 on the run's exported weights, the run's ModelDir): the
-    independent reference the served log-probs are checked against."""
+    independent reference the served log-probs are checked against, exported and loaded once."""
     import torch
     import transformers
 
@@ -823,8 +824,9 @@ def _float64_model(run_dir, tmp_path):
 
     model_dir = open_model_dir(run_dir, "test")
     cfg, _, params = model_dir.load()
-    write_hf_dir(params, cfg.model, tmp_path / "hf", model_dir.tokenizer())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float64)
+    hf_dir = tmp_path_factory.mktemp("float64") / "hf"
+    write_hf_dir(params, cfg.model, hf_dir, model_dir.tokenizer())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float64)
     return hf.eval(), model_dir
 
 
@@ -843,7 +845,7 @@ def _float64_greedy(hf, prompt: list[int], new: int):
     return ids, logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
 
 
-def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path):
+def test_logprobs_equal_an_independent_float64_forward(server, float64_model):
     """The served log-probs are the model's: the prompt's (echo) and the greedy reply's chosen tokens
     equal log_softmax of transformers' Llama run in float64 on the exported weights (not the function
     the server calls) within 1e-5, and the reply is that forward's greedy continuation."""
@@ -856,7 +858,7 @@ def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path
     choice = _post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1}).json()["choices"][0]
     served = choice["logprobs"]["token_logprobs"]
     assert served[0] is None and len(served) == len(prompt) + new
-    hf, model_dir = _float64_model(run_dir, tmp_path)
+    hf, model_dir = float64_model
     ids, logp = _float64_greedy(hf, prompt, new)
     np.testing.assert_allclose(served[1:], logp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
     tok = load_tokenizer(model_dir.tokenizer())
@@ -866,7 +868,7 @@ def test_logprobs_equal_an_independent_float64_forward(server, run_dir, tmp_path
     )
 
 
-def test_a_structured_reply_reports_the_model_s_own_log_probs_before_the_mask(server, run_dir, tmp_path):
+def test_a_structured_reply_reports_the_model_s_own_log_probs_before_the_mask(server, float64_model):
     """The grammar's mask decides which tokens may come; the log-probs a structured reply reports are
     still the model's own for the tokens chosen (docs/serving.md), not renormalised over the allowed
     ones: each equals transformers' float64 forward on the exported weights within 1e-5, and the
@@ -884,7 +886,7 @@ def test_a_structured_reply_reports_the_model_s_own_log_probs_before_the_mask(se
             "response_format": fmt}  # fmt: skip
     choice = _post(server, "/v1/completions", body).json()["choices"][0]
     pieces, served = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
-    hf, model_dir = _float64_model(run_dir, tmp_path)
+    hf, model_dir = float64_model
     tok = load_tokenizer(model_dir.tokenizer())
     # each piece back to its id: a special token by name, any other by encoding its text (one token)
     reply = [[tok.token_to_id(p)] if p.startswith("<|") else tok.encode(p).ids for p in pieces]
@@ -903,7 +905,7 @@ def _warm_prefix(server, head: list[int]) -> None:
     assert _post(server, "/v1/completions", body).status_code == 200
 
 
-def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, run_dir, tmp_path):
+def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, float64_model):
     """16 clients at once (the server has 8 slots: requests queue, join and leave a running batch),
     random prompt and reply lengths, echo + logprobs, half of them after a shared 40-token head (so
     its first two 16-token blocks come from the prefix cache): each reply is the greedy continuation of transformers' Llama
@@ -940,7 +942,7 @@ def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, r
         t.start()
     for t in threads:
         t.join()
-    hf, model_dir = _float64_model(run_dir, tmp_path)
+    hf, model_dir = float64_model
     tok = load_tokenizer(model_dir.tokenizer())
     for i, body in enumerate(bodies):
         ids, logp = _float64_greedy(hf, body["prompt"], body["max_tokens"])
