@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
+	# cuDNN for XLA:GPU's compile of fused attention (plan --target h100xN); --no-deps: its cuBLAS
+	# dependency (0.5 GB) is a run-time library the compile-only GPU never loads.
+	$(BIN)/python -m pip install --quiet --no-deps -c requirements.lock nvidia-cudnn-cu13
 	touch $(STAMP)
 
 # The whole pipeline on the embedded default corpus (the stdlib source), as the

@@ -26,6 +26,7 @@ os.environ["XLA_FLAGS"] = (
 from shipyard import cpu_tuning  # noqa: E402
 
 cpu_tuning.apply_xla_flags()
+cpu_tuning.pin_cpu_platform()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

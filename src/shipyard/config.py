@@ -74,7 +74,7 @@ class MoEConfig(Schema):
     bias_update_rate: float = Field(0.0, ge=0)
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias moves by this much toward equal load (up if under-loaded); 0 disables."""
     grouped_matmul: Literal["auto", "ragged", "blocked"] = "auto"
-    """Dropless expert matmul: ragged (jax.lax.ragged_dot, native on GPU/TPU), blocked (tokens padded into per-expert blocks and one batched matmul; faster on CPU, where ragged_dot runs every expert on every row), auto picks by backend."""
+    """Dropless expert matmul: ragged (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernel; XLA:CPU and XLA:GPU run every local expert on every row), blocked (tokens padded into per-expert blocks and one batched matmul), auto: ragged on TPU, blocked on CPU and GPU (docs/targets.md has the compiled costs)."""
 
     @model_validator(mode="after")
     def _check_topk(self) -> MoEConfig:

@@ -77,6 +77,17 @@ def will_run_on_cpu(env: dict = os.environ) -> bool:
     return not any(_installed(m) and _present(dev) for m, dev in ACCELERATOR_PLUGINS.items())
 
 
+def pin_cpu_platform(env: dict = os.environ) -> None:
+    """On a process that will run on the CPU (`will_run_on_cpu`) with no JAX_PLATFORMS of the user's,
+    set JAX_PLATFORMS=cpu. Why: an accelerator plugin installed without its hardware (libtpu and the
+    CUDA plugin are test dependencies here, for compiling TPU and GPU targets: parallel/targets.py)
+    is otherwise initialised when JAX starts, which takes time and prints libtpu's complaints about
+    the TPU it did not find. Compiling for a target does not need the plugin as a backend: JAX
+    builds its compile-only devices from the plugin directly. Call before JAX starts."""
+    if "JAX_PLATFORMS" not in env and will_run_on_cpu(env):
+        env["JAX_PLATFORMS"] = "cpu"
+
+
 def apply_xla_flags(env: dict = os.environ) -> None:
     """Add the CPU flags to XLA_FLAGS unless the user already chose those options or the process will
     not run on the CPU (`will_run_on_cpu`). Call before JAX starts."""

@@ -52,6 +52,8 @@ class Device:
     """HBM per device."""
     peak_flops: float
     """Dense bf16 peak FLOP/s per device (fp32 on CPU)."""
+    platform: str | None = None
+    """The JAX backend it runs ("gpu", "tpu"); None: looked up by name in `_BACKENDS`."""
 
 
 DEVICES = {
@@ -208,7 +210,8 @@ def _attention_keys(cfg: Config, sizes: dict[str, int], device: Device) -> tuple
     d = cfg.data
     segments = d.document_masking or d.chat is not None or d.preference is not None
     dtype = jnp.dtype(cfg.train.precision.compute_dtype)
-    impl = attention_impl(cfg.model, _BACKENDS.get(device.name, "cpu"), int(keys), dtype, segments)
+    platform = device.platform or _BACKENDS.get(device.name, "cpu")
+    impl = attention_impl(cfg.model, platform, int(keys), dtype, segments)
     return (keys if impl in ("reference", "ordered") else min(keys, cfg.model.attention_block)), impl
 
 
@@ -671,14 +674,16 @@ def _run_child(cfg: Config, sizes: dict[str, int]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> dict:
-    """Compiled memory/cost analysis per device; with `layers`, from two reduced depths, extrapolated."""
+def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None, runner=None) -> dict:
+    """Compiled memory/cost analysis per device; with `layers`, from two reduced depths, extrapolated.
+    `runner(cfg, sizes)` compiles one depth (default: the fake-CPU child, `_run_child`)."""
+    runner = runner or _run_child
     m = cfg.model
     # A pipeline stage holds 1/pipeline of the (last stack's) layers: reduced depths add whole
     # layers to every stage.
     unit = sizes.get("pipeline", 1)
     if layers is None or m.num_dense_layers + 3 * unit * layers >= m.num_layers:
-        out = _run_child(cfg, sizes)
+        out = runner(cfg, sizes)
         out["extrapolated"] = False
         return out
     # Two depths that keep the leading dense layers and scan at least two MoE layers
@@ -694,28 +699,73 @@ def compiled(cfg: Config, sizes: dict[str, int], layers: int | None = None) -> d
         # (the circular schedule's rounds add one microbatch's activations per stage, no weights).
         train = train.model_copy(update={"pipeline": train.pipeline.model_copy(update={"repeats": 1})})
     runs = [
-        _run_child(
+        runner(
             cfg.model_copy(update={"model": m.model_copy(update={"num_layers": n}), "train": train}), sizes
         )
         for n in (lo, hi)
     ]
-    out = {}
-    for key, a in runs[0].items():
-        # XLA's buffer reuse is not exactly linear in depth; never extrapolate a shrink.
-        per = max((runs[1][key] - a) / (hi - lo), 0.0)
-        out[key] = runs[1][key] + per * (m.num_layers - hi)
+    out = _extrapolated(runs, hi - lo, m.num_layers - hi)
     out["extrapolated"] = True
     out["compiled_layers"] = [lo, hi]
     out["compiled_repeats"] = None if train.pipeline is None else train.pipeline.repeats
     return out
 
 
+def _extrapolated(runs: list[dict], step: int, more: int) -> dict:
+    """The deeper run's figures plus `more` layers at the per-layer difference of the two runs
+    (`step` layers apart); collectives row by row; what is not a number from the deeper run."""
+
+    def grow(a: float, b: float) -> float:
+        # XLA's buffer reuse is not exactly linear in depth; never extrapolate a shrink.
+        return b + max((b - a) / step, 0.0) * more
+
+    out = {}
+    for key, b in runs[1].items():
+        a = runs[0].get(key)
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, (int, float)):
+            out[key] = grow(a, b)
+        elif key == "collectives":
+            before = {(r["kind"], tuple(r["axes"]), r["crosses_hosts"]): r for r in a or []}
+            out[key] = [
+                {
+                    **r,
+                    **{
+                        k: grow(
+                            before.get((r["kind"], tuple(r["axes"]), r["crosses_hosts"]), {}).get(k, 0.0),
+                            r[k],
+                        )
+                        for k in ("count", "bytes", "wire_bytes")
+                    },
+                }
+                for r in b
+            ]
+        else:
+            out[key] = b
+    return out
+
+
+def target_device(target) -> Device:
+    """A `parallel.targets.Target`'s device as the planner divides by: each device's share of its
+    chip's memory and bf16 peak."""
+    chip = target.chip
+    return Device(
+        target.spec, target.per_device(chip.memory_bytes), target.per_device(chip.bf16_flops), chip.platform
+    )
+
+
 def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | None = None, mfu: float = 0.4,
-         compile_layers: int | None = None, with_compiled: bool = True, rl: RLConfig | None = None) -> dict:  # fmt: skip
+         compile_layers: int | None = None, with_compiled: bool = True, rl: RLConfig | None = None,
+         target=None) -> dict:  # fmt: skip
     """Analytic plan (+ compiled analysis) + verdict for `cfg` on a mesh of `sizes`; with `rl`, of
     `shipyard rl`'s trainer for `cfg`'s model (`sizes`: its mesh, see `rl_mesh`) and the rollout
-    engine and KL reference beside it."""
+    engine and KL reference beside it; with a `target` (`parallel.targets.Target`), compiled by the
+    target's own compiler (`shipyard.plan_target`) instead of on fake CPU devices."""
     sizes = _all_axes(sizes)
+    if target is not None and math.prod(sizes.values()) != target.devices:
+        raise ConfigError(
+            f"--mesh: axis sizes {sizes} multiply to {math.prod(sizes.values())}, but {target.spec} has "
+            f"{target.devices} devices; give a mesh of that many (-1 in the config's mesh fills it)"
+        )
     if rl is not None:
         cfg = rl_train_config(cfg, rl)
         if cfg.data.seq_len <= rl.max_tokens:
@@ -736,7 +786,9 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
             f"{cfg.train.microbatches} microbatches over data x fsdp x expert = {batch_split} devices"
         )
     out = analytic(cfg, sizes, device, tokens, mfu, rl)
-    if with_compiled:
+    if with_compiled and target is not None:
+        _target_compiled(out, cfg, sizes, compile_layers, target)
+    elif with_compiled:
         target = cfg
         moe = cfg.model.moe
         if moe is not None and moe.capacity_factor is None and device.name != "cpu":
@@ -761,6 +813,29 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
     if rl is not None:
         out["rl"]["verdict_bytes"] = judged_bytes(out)
     return out
+
+
+def _target_compiled(out: dict, cfg: Config, sizes: dict, compile_layers: int | None, target) -> None:
+    """The compiled section of a target plan: the step compiled by the target's compiler, its
+    collectives and the roofline (plan_target.py)."""
+    from shipyard import plan_target
+
+    c = compiled(cfg, sizes, compile_layers, runner=lambda cfg, sizes: plan_target.run_child(cfg, target))
+    # Vendor kernels (splash, cuDNN attention) are opaque in the HLO: their FLOPs are the analytic
+    # attention term of flops_per_token (scores and values, forward and backward, the whole matrix).
+    m, seq = cfg.model, cfg.data.seq_len
+    attention = 12 * m.num_layers * seq * m.num_heads * m.head_dim * cfg.train.global_batch_size * seq
+    attention /= out["devices"]
+    kernel_flops = attention if any("splash" in k or "fmha" in k for k in c["kernels"]) else 0.0
+    if m.moe is not None and any("ragged" in k or "gmm" in k for k in c["kernels"]):
+        # XLA:TPU runs ragged_dot as a Mosaic grouped-matmul kernel: the routed experts' matmuls
+        # (6 x top-k x 3 projections, forward and backward) are inside it.
+        routed = 6 * m.moe.experts_per_token * 3 * m.hidden_size * m.moe.expert_intermediate_size
+        kernel_flops += routed * m.num_moe_layers * cfg.train.global_batch_size * seq / out["devices"]
+    out["compiled"] = c
+    out["target"] = {"spec": target.spec, "chip": target.chip.name, "platform": target.platform,
+                     "chips": target.chips, "source": target.chip.source}  # fmt: skip
+    out["roofline"] = plan_target.roofline(c, target, out["flops_per_step"] / out["devices"], kernel_flops)
 
 
 def compare_table(plans: list[tuple[str, dict]]) -> str:
@@ -860,7 +935,15 @@ def _rl_lines(rl: dict | None, b: dict) -> list[str]:
 
 def render(p: dict) -> str:
     """The plan as text a person reads."""
-    lines = [*_analytic_lines(p), *_compiled_lines(p), *_time_lines(p), _verdict_line(p)]
+    target = []
+    if p.get("roofline"):
+        from shipyard import plan_target
+
+        target = [
+            *plan_target.collective_lines(p["compiled"], p["target"]["platform"]),
+            *plan_target.time_lines(p),
+        ]
+    lines = [*_analytic_lines(p), *_compiled_lines(p), *target, *_time_lines(p), _verdict_line(p)]
     return "\n".join(lines)
 
 
@@ -927,13 +1010,26 @@ def _compiled_lines(p: dict) -> list[str]:
             if c["extrapolated"]
             else ""
         )
+        t = p.get("target")
+        where = (
+            f"XLA:{t['platform'].upper()}, compiled for {t['spec']} without the chips"
+            if t
+            else f"XLA, compiled on {p['devices']} fake CPU devices: the CPU compiler's view"
+        )
         lines += [
-            f"per device (XLA, compiled on {p['devices']} fake CPU devices){how}:",
+            f"per device ({where}){how}:",
             f"  arguments     {_fmt(c['argument_bytes'])}  (params {_fmt(c['params_bytes'])}, optimizer+counters {_fmt(c['optimizer_bytes'])})",
             f"  temporaries   {_fmt(c['temp_bytes'])}",
             f"  outputs       {_fmt(c['output_bytes'])}  ({_fmt(c['alias_bytes'])} aliased to donated arguments)",
             f"  peak          {_fmt(c['peak_bytes'])}",
-            f"  FLOPs/step    {c['flops_per_device']:.4g} per device (XLA cost analysis; a scanned layer counts once)",
+            *(_target_flops_lines(p) if t else []),
+            *(
+                []
+                if t
+                else [
+                    f"  FLOPs/step    {c['flops_per_device']:.4g} per device (XLA cost analysis; a scanned layer counts once)"
+                ]
+            ),
         ]
     if c and c.get("attention_stand_in"):
         lines.append(
@@ -950,6 +1046,30 @@ def _compiled_lines(p: dict) -> list[str]:
             f"  + rl          {_fmt(judged_bytes(p) - c['peak_bytes'])}  (rollout KV + rollout copy + reference: "
             f"not in the compiled trainer step, added to its peak for the verdict) = {_fmt(judged_bytes(p))}"
         )
+    return lines
+
+
+def _target_flops_lines(p: dict) -> list[str]:
+    """A target compile's FLOPs and memory traffic per device, and what they were counted from."""
+    c, r = p["compiled"], p["roofline"]
+    xla = (
+        f"; XLA's cost analysis says {c['xla_flops']:.4g}, a loop body once"
+        if c.get("xla_flops")
+        else "; XLA's cost analysis gives none for this target"
+    )
+    kernels = ", ".join(f"{k} x{v:.0f}" for k, v in sorted(c["kernels"].items()))
+    lines = [
+        f"  FLOPs/step    {c['hlo_flops']:.4g} per device (matmuls in the compiled HLO, loops x trips{xla})"
+    ]
+    if kernels:
+        lines.append(
+            f"  + kernels     {r['kernel_flops']:.4g} (analytic attention, in vendor kernels: {kernels})"
+        )
+    lines.append(
+        f"  HBM traffic   {_fmt(c['traffic_bytes'])} per device (bytes each kernel reads and writes)"
+    )
+    if c.get("unknown_loops"):
+        lines.append(f"  ({c['unknown_loops']} loop(s) of unknown trip count counted once)")
     return lines
 
 

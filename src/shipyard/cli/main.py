@@ -88,6 +88,7 @@ def entry() -> None:
     cpu_tuning.reexec_with_fast_allocator()
     # XLA reads its flags once, when the backend starts: set them before that.
     cpu_tuning.apply_xla_flags()
+    cpu_tuning.pin_cpu_platform()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.exit(main())
 

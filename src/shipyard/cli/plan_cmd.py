@@ -18,20 +18,32 @@ def _cmd_plan(args) -> int:
 
     cfg = load_config_arg(args.config, args.overrides, "plan")
     rl = _rl_config(args.rl) if args.rl is not None else None
+    target = _target(args)
     if rl is not None:
         from shipyard.plan import rl_mesh
 
         sizes = rl_mesh(rl, parse_mesh(args.mesh) if args.mesh else None)
+    elif target is not None and not args.mesh:
+        from shipyard.parallel.mesh import resolve_mesh_shape
+
+        sizes = resolve_mesh_shape(cfg.mesh, target.devices)
     else:
         sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
-    device = DEVICES[args.device]
+    if target is not None:
+        from shipyard.plan import target_device
+
+        device = target_device(target)
+    else:
+        device = DEVICES[args.device or "h100"]
     if args.device_memory:
         device = replace(device, memory_bytes=parse_bytes(args.device_memory))
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu: {args.mfu} is not a fraction; expected 0 < mfu <= 1, e.g. 0.4")
     if args.compile_layers is not None and args.compile_layers < 1:
         raise ConfigError(f"--compile-layers: {args.compile_layers}; expected a positive number of layers")
-    result = plan(cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only, rl)
+    result = plan(
+        cfg, sizes, device, args.tokens, args.mfu, args.compile_layers, not args.analytic_only, rl, target
+    )
     sys.stdout.write(render(result) + "\n")
     if args.compare:
         others = []
@@ -54,6 +66,7 @@ def _cmd_plan(args) -> int:
                 args.compile_layers,
                 not args.analytic_only,
                 other_rl,
+                target,
             )
             others.append((spec, p))
         sys.stdout.write("\ncompared:\n" + compare_table([("this plan", result), *others]) + "\n")
@@ -61,6 +74,20 @@ def _cmd_plan(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["fits"] else 6
+
+
+def _target(args):
+    """--target parsed (None without one); --device and --device-memory describe the analytic
+    plan's device and do not go with a target, whose chip the target names."""
+    if args.target is None:
+        return None
+    from shipyard.parallel.targets import parse_target
+
+    if args.device or args.device_memory:
+        raise ConfigError(
+            "--target names the chip; --device and --device-memory are for plans without one: drop them"
+        )
+    return parse_target(args.target)
 
 
 def _rl_config(text: str):
@@ -89,7 +116,17 @@ def register(sub) -> None:
         "--mesh",
         help="axis sizes, e.g. pipeline=4,fsdp=32,expert=8 (default: the config's mesh; -1 is not allowed)",
     )
-    pl.add_argument("--device", default="h100", choices=["h100", "h200", "a100", "tpu-v5p", "cpu"])
+    pl.add_argument(
+        "--device",
+        choices=["h100", "h200", "a100", "tpu-v5p", "cpu"],
+        help="the analytic plan's device (default h100); the compiled step is XLA:CPU's view",
+    )
+    pl.add_argument(
+        "--target",
+        help="compile the step with the target's own compiler, without the hardware: "
+        "tpu-v4|v5e|v5p|v6e:<chip grid> (e.g. tpu-v5p:4x4x4) or h100|h200|b200x<N> (e.g. h100x64); "
+        "prints its memory, collectives and a roofline step time (docs/targets.md)",
+    )
     pl.add_argument("--device-memory", help="memory per device (e.g. 80GiB); default: the device's")
     pl.add_argument(
         "--tokens", type=positive_number(), help="token budget for time and device-hours (e.g. 15e12)"

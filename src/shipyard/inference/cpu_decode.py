@@ -35,6 +35,7 @@ from shipyard.model import attention, layers
 from shipyard.model.attention import HEAD_MAJOR, AttentionWeights, LayerKV
 from shipyard.model.quant import QuantizedMatrix
 from shipyard.model.transformer import output_weights
+from shipyard.parallel import backend
 
 # ModelConfig fields `decode_step` implements or that do not change the forward pass; a field added
 # later disables it (at a non-default value) until it is taught here.
@@ -85,7 +86,7 @@ BLOCK_PARAMS = frozenset(
 
 def supported(params, cfg: ModelConfig) -> bool:
     """Whether `decode_step` implements this model (and the backend is CPU)."""
-    if jax.default_backend() != "cpu" or getattr(params, "moe_blocks", None) is not None:
+    if not backend.on_cpu() or getattr(params, "moe_blocks", None) is not None:
         return False
     for name, field in type(cfg).model_fields.items():
         if name not in FIELDS and getattr(cfg, name) != field.default:

@@ -62,6 +62,7 @@ from shipyard.inference.prefix_cache import SLOTS as PREFIX_SLOTS
 from shipyard.inference.prefix_cache import BlockIndex, init_store, keep, prefill_grid, recall
 from shipyard.inference.sampling import Sampling, pick_tokens, sampling_logits
 from shipyard.model import quant
+from shipyard.parallel import backend
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def decode_compiler_options(params=None) -> dict[str, str] | None:
     weights (`model.quant`) are the exception: XLA's own int8 dot is a slow
     generic loop, YNNPACK's reads the int8 weights at close to memory speed.
     """
-    if jax.default_backend() != "cpu":
+    if not backend.on_cpu():
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": QUANTIZED_DECODE_YNN if is_quantized_tree(params) else ""}
 

@@ -25,6 +25,7 @@ from shipyard.config import ModelConfig
 from shipyard.errors import ConfigError
 from shipyard.model import attention_kernels, blocked_attention, layers, quant
 from shipyard.model.lora import LoraParams, delta
+from shipyard.parallel import backend
 
 GLOBAL_WINDOW = 2**30
 """The window of a global layer where windows are per-layer arrays: no sequence reaches it."""
@@ -297,7 +298,7 @@ def attention_impl(cfg: ModelConfig, backend: str, seq_len: int, dtype, segments
 
 
 def causal_attention(
-    cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None, window=None
+    cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None, window=None, layout=None
 ):
     """Causal self-attention over one sequence by the core `attention_impl` picks: [batch, T, kv_heads, group, D].
 
@@ -307,16 +308,18 @@ def causal_attention(
     `mask`. Only reference builds the [T, T] mask and scores.
     """
     T = q.shape[1]
-    impl = attention_impl(cfg, jax.default_backend(), T, q.dtype, segment_ids is not None)
+    impl = attention_impl(cfg, backend.platform(), T, q.dtype, segment_ids is not None)
     if impl in ("reference", "ordered"):
         slots = jnp.arange(T)
         return attend(q, k, v, mask(slots, slots, window, segment_ids), ordered=impl == "ordered")
     if impl == "blocked":
         return blocked_attention.attention(q, k, v, segment_ids, window, block=cfg.attention_block)
     if impl == "cudnn":
-        return attention_kernels.cudnn_attention(q, k, v, window, cfg.sliding_window, GLOBAL_WINDOW)
+        return attention_kernels.cudnn_attention(
+            q, k, v, window, cfg.sliding_window, GLOBAL_WINDOW, layout=layout
+        )
     return attention_kernels.splash_attention(
-        q, k, v, segment_ids, window, cfg.sliding_window, GLOBAL_WINDOW, cfg.attention_block
+        q, k, v, segment_ids, window, cfg.sliding_window, GLOBAL_WINDOW, cfg.attention_block, layout=layout
     )
 
 
@@ -380,7 +383,15 @@ def self_attention(
 
 
 def causal_self_attention(
-    cfg: ModelConfig, h: jax.Array, w: AttentionWeights, cos, sin, segment_ids=None, window=None, key=None
+    cfg: ModelConfig,
+    h: jax.Array,
+    w: AttentionWeights,
+    cos,
+    sin,
+    segment_ids=None,
+    window=None,
+    key=None,
+    layout=None,
 ) -> jax.Array:
     """The training attention branch for normed input h [batch, T, embed]: [batch, T, embed].
 
@@ -391,7 +402,7 @@ def causal_self_attention(
     q, k, v = project_qkv(cfg, h, w, key)
     q = layers.apply_rope(q, cos, sin)
     k = layers.apply_rope(k, cos, sin)
-    return project_out(w, causal_attention(cfg, q, k, v, segment_ids, window), key)
+    return project_out(w, causal_attention(cfg, q, k, v, segment_ids, window, layout), key)
 
 
 def layer_window_sizes(cfg: ModelConfig) -> list[int | None]:

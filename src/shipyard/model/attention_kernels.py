@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 SPLASH_MULTIPLE = 128
@@ -55,10 +56,30 @@ def _by_window(kernel, window, static_window: int | None, global_window: int):
 
 
 def cudnn_attention(
-    q, k, v, window=None, static_window: int | None = None, global_window: int = 2**30, implementation="cudnn"
+    q,
+    k,
+    v,
+    window=None,
+    static_window: int | None = None,
+    global_window: int = 2**30,
+    implementation="cudnn",
+    layout=None,
 ):
     """Causal cuDNN flash attention; `window` is None, an int or a traced int equal to `static_window`
-    or to `global_window` (global). `implementation="xla"` runs the same call through XLA (tests)."""
+    or to `global_window` (global). `implementation="xla"` runs the same call through XLA (tests).
+    With a `layout` of more than one device, each device runs it on its own rows and heads
+    (`_per_device`): the call's own partitioning rule fails inside a pipeline stage's shard_map
+    (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'", from a 535B compile for H200s)."""
+    if layout is not None and layout.mesh.size > 1:
+        return _per_device(
+            layout,
+            lambda q, k, v, s, w: cudnn_attention(q, k, v, w, static_window, global_window, implementation),
+            q,
+            k,
+            v,
+            None,
+            window,
+        )
     B, T, K, G, D = q.shape
 
     def kernel(w):
@@ -86,9 +107,23 @@ def splash_attention(
     global_window: int = 2**30,
     block: int = 512,
     interpret: bool = False,
+    layout=None,
 ):
     """Causal Pallas splash attention (per batch row, heads grouped as GQA); `interpret` runs the kernel
-    in the Pallas interpreter (any backend: for tests)."""
+    in the Pallas interpreter (any backend: for tests). With a `layout` (parallel/layout.py) of more
+    than one device, each device runs the kernel on its own rows and heads (`_per_device`)."""
+    if layout is not None and layout.mesh.size > 1:
+        return _per_device(
+            layout,
+            lambda q, k, v, s, w: splash_attention(
+                q, k, v, s, w, static_window, global_window, block, interpret
+            ),
+            q,
+            k,
+            v,
+            segment_ids,
+            window,
+        )
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     B, T, K, G, D = q.shape
@@ -129,3 +164,24 @@ def splash_attention(
         return out.transpose(0, 2, 1, 3).reshape(B, T, K, G, D)
 
     return _by_window(kernel, window, static_window, global_window)
+
+
+def _per_device(layout, fn, q, k, v, segment_ids, window):
+    """fn(q, k, v, segment_ids, window) on each device's rows and KV heads, in a shard_map: XLA cannot
+    split a Mosaic kernel over devices itself ("Mosaic kernels cannot be automatically partitioned").
+    The sequence is whole here (context parallelism runs the ring instead), so the split is batch and
+    heads, as the sharding rules lay them out; inside a pipeline stage the nested shard_map takes
+    the stage's context mesh. The window (a traced per-layer size under the layer scan) goes in as
+    an argument, replicated: a value the body closed over would carry the outer context's mesh."""
+    from shipyard.parallel.mesh import logical_to_pspec
+    from shipyard.parallel.pipeline import nested_mesh
+
+    mesh, axes = nested_mesh(layout.mesh)
+    rules = {name: tuple(a for a in targets if a in axes) for name, targets in layout.rules.items()}
+    qs = logical_to_pspec(("batch", None, "kv_heads", None, None), q.shape, layout.mesh, rules)
+    ks = PartitionSpec(*qs[:3], None)
+    seg = None if segment_ids is None else PartitionSpec(qs[0], None)
+    win = None if window is None or isinstance(window, int) else PartitionSpec()
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(qs, ks, ks, seg, win), out_specs=qs, axis_names=set(axes), check_vma=False
+    )(q, k, v, segment_ids, window)

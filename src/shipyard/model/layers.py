@@ -9,12 +9,13 @@ import jax.numpy as jnp
 
 from shipyard.config import RopeScaling
 from shipyard.model import nf4, quant
+from shipyard.parallel import backend
 
 
 def cpu_backend() -> bool:
     """Whether JAX's default backend is the CPU, asked at trace time: the CPU-only tricks (the dense
     backward below, unrolled layer scans) apply there alone; GPU and TPU compile the plain model."""
-    return jax.default_backend() == "cpu"
+    return backend.on_cpu()
 
 
 def layer_unroll(requested: int, layers: int) -> int:

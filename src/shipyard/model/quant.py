@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shipyard.model import nf4
+from shipyard.parallel import backend
 
 INT8_MAX = 127.0
 
@@ -224,7 +225,7 @@ def matmul(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
 
 @jax.custom_vjp
 def _matmul2(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    dot = int8_dot if jax.default_backend() == "cpu" else dequantized_dot
+    dot = int8_dot if backend.on_cpu() else dequantized_dot
     return dot(x2, QuantizedMatrix(q, scale))
 
 

@@ -170,7 +170,7 @@ def attention_sublayer(
     w = attention.attention_weights(p, cfg.num_kv_heads)
     if layout is not None and layout.context > 1:
         return x + ring_attention.self_attention(cfg, h, w, cos, sin, segment_ids, window, key, layout)
-    return x + attention.causal_self_attention(cfg, h, w, cos, sin, segment_ids, window, key)
+    return x + attention.causal_self_attention(cfg, h, w, cos, sin, segment_ids, window, key, layout)
 
 
 def mlp_block(cfg: ModelConfig, x: jax.Array, p: BlockParams, layout: Layout | None = None, key=None):

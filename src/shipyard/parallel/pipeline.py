@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shipyard.config import Config
 from shipyard.errors import ConfigError
+from shipyard.parallel import backend
 
 AXIS = "pipeline"
 
@@ -212,7 +213,7 @@ def _widen_on_cpu(body: Callable, whole: tuple) -> tuple[Callable, tuple]:
     partitioner has made a `copy`: "Invalid binary instruction opcode copy"). Widening at the
     boundary makes that psum f32; the body narrows back, so the stages compute as before.
     """
-    if jax.default_backend() != "cpu":
+    if not backend.on_cpu():
         return body, whole
     dtypes = jax.tree.map(lambda a: a.dtype, whole)
     wide = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, whole)

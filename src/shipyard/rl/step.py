@@ -30,6 +30,7 @@ from shipyard.inference.engine import decode_compiler_options
 from shipyard.inference.sampling import sampling_logits
 from shipyard.model import attention, transformer
 from shipyard.model.partition import Partition
+from shipyard.parallel import backend
 from shipyard.rl.loss import policy_loss
 
 
@@ -57,7 +58,7 @@ def on_policy_model(cfg: ModelConfig, length: int) -> ModelConfig:
     CPU, where attention would be the reference core, the `ordered` one (model/attention.py), whose
     sums over keys the engine's cached steps repeat bit for bit. Elsewhere `cfg` as it is: a GPU's
     or TPU's kernels give no such promise, and `blocked` (long sequences) keeps its memory bound."""
-    if jax.default_backend() != "cpu":
+    if not backend.on_cpu():
         return cfg
     if attention.attention_impl(cfg, "cpu", length, jnp.float32, False) != "reference":
         return cfg

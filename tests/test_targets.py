@@ -1,0 +1,262 @@
+"""Programs compiled by the real TPU and GPU compilers on this CPU host (docs/targets.md): the train
+steps (dense and MoE, with the targets' attention kernels and grouped matmul) and the serving
+decode step, for tpu-v5p:2x2x1 and h100x8; none of the CPU-only tuning leaks into them; the HLO
+reader counts what the compiled text says; `shipyard plan --target` prints it."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shipyard.config import load_config
+from shipyard.errors import ConfigError
+from shipyard.parallel import backend, compiled_hlo, targets
+
+TPU, GPU = "tpu-v5p:2x2x1", "h100x8"
+
+
+@pytest.fixture(scope="module")
+def devices():
+    targets.quiet_libtpu()
+    return {spec: targets.compile_only_devices(targets.parse_target(spec)) for spec in (TPU, GPU)}
+
+
+def _train_step(cfg, devs):
+    from shipyard.plan_target import analyse, lower_step
+
+    lowered, mesh, program = lower_step(cfg, devs)
+    return lowered.as_text(), analyse(lowered.compile(), mesh, program)
+
+
+# bf16 compute: what the kernels run in (cuDNN's fused attention needs it)
+BF16 = ["train.precision.compute_dtype=bfloat16"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides", "kernel"),
+    [
+        (TPU, ["mesh.data=2", "mesh.fsdp=2"], "splash_mha_fwd"),
+        (GPU, ["mesh.data=2", "mesh.fsdp=4", *BF16], "__cudnn$fmhaSoftmax"),
+    ],
+)
+def test_the_dense_train_step_compiles_with_the_targets_attention_kernel(devices, spec, overrides, kernel):
+    cfg = load_config("tiny", overrides)
+    lowered, c = _train_step(cfg, devices[spec])
+    assert any(k.startswith(kernel) for k in c["kernels"]), c["kernels"]
+    # the compiler's own figures, per device: the fp32 state (params + 2 Adam moments) split 4 ways
+    # on fsdp and data... every byte of it is an argument, and the donated state comes back aliased
+    assert c["argument_bytes"] >= c["state_bytes"] > 0
+    assert c["alias_bytes"] >= 0.99 * c["state_bytes"]
+    # matmul FLOPs from the HLO, loops x trips: 6 x the matmul params x tokens, over 8 devices
+    from shipyard.train.metrics import matmul_params_per_token
+
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    want = 6 * matmul_params_per_token(cfg.model) * tokens / len(devices[spec])
+    assert c["hlo_flops"] == pytest.approx(want, rel=0.05)
+    # FSDP gathers params and reduces gradients over fsdp; data parallelism all-reduces over data
+    kinds = {(r["kind"], tuple(r["axes"])) for r in c["collectives"]}
+    assert any("fsdp" in axes for _, axes in kinds), kinds
+    # none of the CPU-only tricks: the CPU-laid-out matmul backward (behind optimization barriers)
+    assert "optimization_barrier" not in lowered
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides"), [(TPU, ["mesh.expert=4"]), (GPU, ["mesh.expert=4", "mesh.data=2"])]
+)
+def test_the_moe_train_step_compiles_with_the_targets_grouped_matmul(devices, spec, overrides):
+    cfg = load_config("moe-tiny", [*overrides, "mesh.fsdp=1"])
+    lowered, c = _train_step(cfg, devices[spec])
+    # dropless experts: ragged_dot on TPU, which XLA:TPU runs as its Mosaic grouped-matmul kernel;
+    # the blocked layout on GPU, where XLA:GPU would run ragged_dot as every expert on every row
+    if spec == TPU:
+        assert "ragged_dot" in lowered
+        assert any("ragged-dot" in k for k in c["kernels"]), c["kernels"]
+    else:
+        assert "ragged_dot" not in lowered
+    assert any("expert" in r["axes"] for r in c["collectives"])
+    assert c["peak_bytes"] > 0
+
+
+def test_cpu_only_tuning_stays_out_of_a_target(devices):
+    from shipyard.inference import cpu_decode
+    from shipyard.inference.engine import decode_compiler_options
+    from shipyard.model import layers, transformer
+    from shipyard.model.params import abstract_params
+    from shipyard.plan_target import target_env
+
+    cfg = load_config("tiny")
+    params = abstract_params(transformer.param_specs(cfg.model))
+    assert layers.layer_unroll(8, 3) == 3 and cpu_decode.supported(params, cfg.model)  # this host
+    for spec in (TPU, GPU):
+        with backend.compiling_for(devices[spec]) as platform:
+            assert platform == ("tpu" if spec == TPU else "gpu")
+            assert layers.layer_unroll(8, 3) == 1  # scans stay rolled
+            assert not layers.cpu_backend()  # plain matmul backward
+            assert not cpu_decode.supported(params, cfg.model)  # the plain decode step
+            assert decode_compiler_options(params) is None  # no YNNPACK options
+    assert backend.platform() == "cpu"  # the context ends with the block
+    env = target_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=+LIBRARY_FUSION_TYPE_DOT,+LIBRARY_FUSION_TYPE_ELTWISE --xla_dump_to=/x"})  # fmt: skip
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/x" and env["JAX_PLATFORMS"] == "cpu"
+
+
+@pytest.mark.parametrize("spec", [TPU, GPU])
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_decode_step_compiles_for_the_target(devices, spec, int8):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shipyard.inference.decode import KVCache, forward_cached
+    from shipyard.model import transformer
+    from shipyard.model.params import abstract_params
+    from shipyard.model.quantize import quantize_params
+
+    cfg = load_config("tiny").model
+    dev = devices[spec][:1]  # one serving replica
+    here = NamedSharding(jax.sharding.Mesh(np.array(dev), ("x",)), PartitionSpec())
+    params = abstract_params(transformer.param_specs(cfg))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    if int8:
+        params = jax.eval_shape(lambda p: quantize_params(p, cfg), params)
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here)  # noqa: E731
+    shape = (cfg.num_layers, 4, 64, cfg.num_kv_heads, cfg.head_dim)
+    cache = KVCache(*(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(2)))
+    args = jax.tree.map(
+        place, (params, jnp.zeros((4, 1), jnp.int32), cache, jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
+    )
+    with backend.compiling_for(dev):
+        step = jax.jit(lambda p, t, c, pos, s: forward_cached(p, t, c, pos, s, cfg), donate_argnums=2)
+        lowered = step.lower(*args)
+    text = lowered.compile().as_text()
+    assert "ynn" not in text.lower()
+    costs = compiled_hlo.Reader(text, {"x": 1}).entry()
+    assert costs.flops > 2 * 4 * cfg.num_layers * cfg.hidden_size * cfg.head_dim * cfg.num_heads
+
+
+# ----------------------------------------------------------------------------- the HLO reader
+
+
+def test_replica_groups_in_each_spelling_name_their_mesh_axes():
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}  # device i at np.unravel_index(i, (2, 2, 2))
+    explicit = compiled_hlo.replica_groups("replica_groups={{0,2},{1,3},{4,6},{5,7}}, dims")
+    assert explicit == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert compiled_hlo.group_axes(explicit, mesh) == ("fsdp",)
+    iota = compiled_hlo.replica_groups("replica_groups=[4,2]<=[2,2,2]T(2,1,0), x")
+    assert iota == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert compiled_hlo.group_axes(iota, mesh) == ("data",)
+    # XLA:TPU's mesh form: ids iota([2,2,2]) transposed (1,0,2), viewed as [2,4], groups along axis_0
+    form = "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, use"
+    groups = compiled_hlo.replica_groups(form)
+    ids = np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2).reshape(2, 4)
+    assert groups == ids.T.tolist()
+    assert compiled_hlo.group_axes(groups, mesh) == ("fsdp",)
+    plain = compiled_hlo.replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, x")
+    assert plain == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert compiled_hlo.group_axes(plain, mesh) == ("tensor",)
+
+
+HLO = """HloModule m
+
+%cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p.1: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p.1 = (s32[], f32[8,16]) parameter(0)
+  %x = f32[8,16] get-tuple-element(%p.1), index=1
+  %w = f32[16,16] constant({...})
+  %d = f32[8,16] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[8,16] all-reduce(%d), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %j = s32[] get-tuple-element(%p.1), index=0
+  ROOT %t = (s32[], f32[8,16]) tuple(%j, %ar)
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16] parameter(0)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[8,16]) tuple(%z, %a)
+  %loop = (s32[], f32[8,16]) while(%t0), condition=%cond, body=%body
+  ROOT %out = f32[8,16] get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_body_counts_once_per_trip():
+    costs = compiled_hlo.Reader(HLO, {"data": 2, "tensor": 2}).entry()
+    assert costs.flops == 6 * 2 * 8 * 16 * 16
+    [(coll, times)] = costs.collectives
+    assert (coll.kind, coll.axes, coll.group, times) == ("all-reduce", ("tensor",), 2, 6)
+    assert coll.wire_bytes == 2 * 8 * 16 * 4 * (1 / 2)  # ring all-reduce: 2 (n-1)/n of the data
+    # XLA:GPU says the trip count itself
+    gpu = HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"9"}}')
+    assert compiled_hlo.Reader(gpu, {"data": 2, "tensor": 2}).entry().flops == 9 * 2 * 8 * 16 * 16
+
+
+def test_a_batched_matmul_written_as_a_convolution_counts_its_real_products():
+    # XLA:TPU's form of x[256, 64] @ w[64, 4, 16] (seen in a compiled tiny step): the padded window
+    # walks the 4 heads; counting the whole window would say 4x too many
+    ins = compiled_hlo.Instr(
+        "c", "f32[2,128,4,16]", "convolution", ["x", "w"],
+        ", window={size=4x1 pad=3_3x0_0 rhs_reversal=1x0}, dim_labels=1bf0_0oi1->1b0f",
+    )  # fmt: skip
+    shapes = {"x": "f32[2,128,64,1]", "w": "bf16[4,16,64,1]"}
+    assert compiled_hlo._conv_flops(ins, shapes) == 2 * 256 * 64 * 64
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_plan_target_prints_the_compilers_view(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shipyard.cli", "plan", "tiny", "--target", TPU, "--json", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "XLA:TPU, compiled for tpu-v5p:2x2x1 without the chips" in proc.stdout
+    assert "all-reduce" in proc.stdout and "MFU" in proc.stdout
+    assert "TPU_" not in proc.stderr and "libtpu" not in proc.stderr  # libtpu kept quiet
+    p = json.loads(out.read_text())
+    assert p["target"]["spec"] == TPU and len(p["compiled"]["hlo_fingerprint"]) == 16
+    r = p["roofline"]
+    assert r["step_seconds"] == pytest.approx(
+        max(r["compute_seconds"], r["memory_seconds"]) + r["collective_seconds"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--target", "tpu-v9:2x2"],
+            "--target: 'tpu-v9:2x2' is not a known target; expected tpu-v4|v5e|v5p|v6e",
+        ),
+        (["--target", "h100x12"], "12 GPUs do not fill hosts of 8"),
+        (["--target", "h100x8", "--device", "h200"], "--target names the chip"),
+        (["--target", TPU, "--mesh", "fsdp=8"], "but tpu-v5p:2x2x1 has 4 devices"),
+    ],
+)
+def test_a_bad_target_is_one_line(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "shipyard.cli", "plan", "tiny", "--analytic-only", *args],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_parse_target():
+    t = targets.parse_target("h200x1536")
+    assert (t.chips, t.topology, t.devices) == (1536, "1x192x8", 1536)
+    v4 = targets.parse_target("tpu-v4:2x2x1")
+    assert v4.devices == 8 and v4.per_device(v4.chip.memory_bytes) == 16 * 2**30
+    with pytest.raises(ConfigError):
+        targets.parse_target("h100x0")
