@@ -9,6 +9,9 @@ kernel (`model.attention_impl=auto`: cuDNN flash attention on a GPU):
   heads, SwiGLU 14336, 128K vocabulary) at 8 of its 32 layers, so one GPU
   holds its fp32 master params and AdamW state.
 
+Next to each measured step: the step time `shipyard plan --target <device>x1` predicts for the
+same config (XLA:GPU's compile of it, deviceless, and the roofline of docs/targets.md).
+
 Each shape runs in its own child process (so each peak is its own): build the
 train program on one device, compile (timed), run `--warmup` steps, time
 `--steps` more, read the device's `peak_bytes_in_use`. Printed and written
@@ -167,6 +170,32 @@ def run_shape(name: str, shape: dict, device_name: str, steps: int, warmup: int)
     }
 
 
+def predict(name: str, device: str) -> dict:
+    """The plan's step time for this shape on one `device` GPU compiled by XLA:GPU for it
+    (`shipyard plan --target <device>x1`: docs/targets.md), to print next to the measured one. Needs
+    the CUDA plugin, not the GPU: the compile is deviceless, in its own child process."""
+    from shipyard import plan
+    from shipyard.config import load_config
+    from shipyard.parallel.targets import parse_target
+
+    shape = SMOKE if name == "smoke" else SHAPES[name]
+    seq, dtype = shape.get("seq", 4096), shape.get("dtype", "bfloat16")
+    cfg = load_config(shape["base"], [*overrides(shape, seq, dtype), "mesh.data=1"])
+    target = parse_target(f"{device}x1")
+    try:
+        p = plan.plan(cfg, {"data": 1}, plan.target_device(target), target=target)
+    except Exception as e:  # noqa: BLE001 - a prediction that cannot be made is reported, not fatal
+        return {"predicted_error": str(e).splitlines()[0][:300]}
+    r = p["roofline"]
+    return {
+        "predicted_step_seconds": r["step_seconds"],
+        "predicted_overlapped_step_seconds": r["overlapped_step_seconds"],
+        "predicted_mfu": r["mfu"],
+        "predicted_peak_bytes": p["compiled"]["peak_bytes"],
+        "predicted_hlo_fingerprint": p["compiled"]["hlo_fingerprint"],
+    }
+
+
 def child(name: str, device: str, steps: int, warmup: int) -> dict:
     shape = SMOKE if name == "smoke" else SHAPES[name]
     return run_shape(name, shape, device, steps, warmup)
@@ -183,7 +212,7 @@ def spawn(name: str, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     gib = 2**30
-    out = ["shape          tok/s     MFU    step s  compile s  peak GiB  compiled  analytic"]
+    out = ["shape          tok/s     MFU    step s  predicted  compile s  peak GiB  compiled  analytic"]
     for r in rows:
         if "error" in r:
             out.append(f"{r['shape']:<13}  failed: {r['error']}")
@@ -191,7 +220,7 @@ def table(rows: list[dict]) -> str:
         peak = r["peak_bytes_measured"]
         out.append(
             f"{r['shape']:<13} {r['tokens_per_second']:>8,.0f}  {r['mfu']:>5.1%}  {r['step_seconds']:>7.3f}"
-            f"  {r['compile_seconds']:>9.1f}  {'-' if peak is None else f'{peak / gib:8.2f}':>8}"
+            f"  {r.get('predicted_step_seconds', float('nan')):>9.3g}  {r['compile_seconds']:>9.1f}  {'-' if peak is None else f'{peak / gib:8.2f}':>8}"
             f"  {r['peak_bytes_compiled'] / gib:8.2f}  {r['peak_bytes_analytic'] / gib:8.2f}"
         )
     return "\n".join(out)
@@ -204,6 +233,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per shape")
     ap.add_argument("--smoke", action="store_true", help="a tiny fp32 shape (rehearsal on CPU)")
+    ap.add_argument("--no-predict", action="store_true", help="skip the target compile's predicted step time")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -211,7 +241,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.device, args.steps, args.warmup)))
         return
     names = ["smoke"] if args.smoke else list(SHAPES)
-    rows = [spawn(n, args) for n in names]
+    rows = [{**spawn(n, args), **({} if args.no_predict else predict(n, args.device))} for n in names]
     print(table(rows))
     result = {"bench": "accelerator", "device": args.device, "results": rows}
     if args.out:

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("shipyard.data",)),
     ("interop", ("shipyard.interop",)),
     ("run", ("shipyard.run",)),
-    ("train", ("shipyard.train", "shipyard.plan", "shipyard.plan_target")),
+    ("train", ("shipyard.train", "shipyard.plan", "shipyard.plan_target", "shipyard.plan_search")),
     ("inference", ("shipyard.inference",)),
     ("eval", ("shipyard.eval", "shipyard.lm_eval_adapter")),
     ("rl", ("shipyard.rl",)),

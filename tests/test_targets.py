@@ -64,6 +64,19 @@ def test_the_dense_train_step_compiles_with_the_targets_attention_kernel(devices
     assert "optimization_barrier" not in lowered
 
 
+def test_fp8_matmuls_compile_to_fp8_gemms_for_an_h100(devices):
+    cfg = load_config("tiny", ["mesh.data=8", "train.precision=fp8"])
+    lowered, c = _train_step(cfg, devices[GPU])
+    # the e4m3 x e4m3 forward and the e5m2 x e4m3 gradients reach XLA:GPU as fp8 dots (it fuses
+    # them into Triton GEMMs for Hopper's fp8 tensor cores)
+    assert "f8E4M3FN" in lowered and "f8E5M2" in lowered
+    # everything but the output head (which stays bf16; attention is in cuDNN's kernel) is fp8
+    m = cfg.model
+    head = 6 * m.hidden_size * m.vocab_size * cfg.train.global_batch_size * cfg.data.seq_len / 8
+    assert c["hlo_flops"] - c["hlo_fp8_flops"] == pytest.approx(head, rel=0.05)
+    assert c["hlo_fp8_flops"] > head
+
+
 @pytest.mark.parametrize(
     ("spec", "overrides"), [(TPU, ["mesh.expert=4"]), (GPU, ["mesh.expert=4", "mesh.data=2"])]
 )
@@ -240,6 +253,7 @@ def test_plan_target_prints_the_compilers_view(tmp_path):
         (["--target", "h100x12"], "12 GPUs do not fill hosts of 8"),
         (["--target", "h100x8", "--device", "h200"], "--target names the chip"),
         (["--target", TPU, "--mesh", "fsdp=8"], "but tpu-v5p:2x2x1 has 4 devices"),
+        (["--target", TPU, "train.precision=fp8"], "train.precision: fp8 matmuls need fp8 units"),
     ],
 )
 def test_a_bad_target_is_one_line(args, message):
@@ -260,3 +274,23 @@ def test_parse_target():
     assert v4.devices == 8 and v4.per_device(v4.chip.memory_bytes) == 16 * 2**30
     with pytest.raises(ConfigError):
         targets.parse_target("h100x0")
+
+
+def test_search_ranks_compiled_layouts_and_gives_the_recipe(tmp_path):
+    out = tmp_path / "search.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shipyard.cli", "plan", "tiny", "--target", GPU, "--search",
+         "--search-compile", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    ranked = result["ranked"]
+    assert result["compiled"] == 2 and len(ranked) == 2
+    assert len({tuple(r["mesh"].values()) for r in ranked}) == 2  # two meshes, not one mesh twice
+    # ranked by the compiled roofline, each a mesh over the 8 GPUs
+    assert [r["step_seconds"] for r in ranked] == sorted(r["step_seconds"] for r in ranked)
+    assert all(np.prod(list(r["mesh"].values())) == 8 for r in ranked)
+    assert result["best"]["roofline"]["step_seconds"] == pytest.approx(ranked[0]["step_seconds"])
+    assert "recipe overrides: mesh." in proc.stdout

@@ -308,10 +308,21 @@ class PrecisionConfig(Schema):
 
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of activations and matmuls; the loss is always computed in fp32."""
+    matmul: Literal["compute_dtype", "fp8"] = "compute_dtype"
+    """fp8: the attention and MLP matmuls run in float8 (e4m3 operands, e5m2 gradients, per-tensor current scaling; model/fp8.py), at twice the bf16 peak on H100/H200; refused on TPU. `train.precision=fp8` sets this with compute_dtype bfloat16."""
     loss_scale_init: float = Field(2.0**15, gt=0)
     """float16 only: initial dynamic loss scale."""
     loss_scale_growth_interval: int = Field(1000, gt=0)
     """float16 only: double the loss scale after this many consecutive finite steps."""
+
+
+PRECISION_SHORTHANDS = {
+    "fp32": {"compute_dtype": "float32"},
+    "bf16": {"compute_dtype": "bfloat16"},
+    "fp16": {"compute_dtype": "float16"},
+    "fp8": {"compute_dtype": "bfloat16", "matmul": "fp8"},
+}
+"""What `train.precision=NAME` stands for."""
 
 
 class WandbConfig(Schema):
@@ -490,6 +501,20 @@ class TrainConfig(Schema):
     """Every this many steps (and after the last), log val_loss on data.validation_tokens; null disables."""
     eval_batches: int = Field(4, gt=0)
     """Batches of global_batch_size sequences in each evaluation (the same held-out sequences every time)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _precision_shorthand(cls, data: Any) -> Any:
+        # `train.precision=fp8` (or bf16, fp16, fp32): the whole policy by one name.
+        if isinstance(data, dict) and isinstance(data.get("precision"), str):
+            named = PRECISION_SHORTHANDS.get(data["precision"].strip().lower())
+            if named is None:
+                raise ValueError(
+                    f"precision: {data['precision']!r} is not a precision; expected "
+                    f"{', '.join(PRECISION_SHORTHANDS)} or a mapping (compute_dtype, matmul, ...)"
+                )
+            data = {**data, "precision": named}
+        return data
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:

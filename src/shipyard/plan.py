@@ -766,6 +766,10 @@ def plan(cfg: Config, sizes: dict[str, int], device: Device, tokens: float | Non
             f"--mesh: axis sizes {sizes} multiply to {math.prod(sizes.values())}, but {target.spec} has "
             f"{target.devices} devices; give a mesh of that many (-1 in the config's mesh fills it)"
         )
+    if target is not None:
+        from shipyard.train.program import check_precision
+
+        check_precision(cfg, target.platform)
     if rl is not None:
         cfg = rl_train_config(cfg, rl)
         if cfg.data.seq_len <= rl.max_tokens:
@@ -1061,6 +1065,10 @@ def _target_flops_lines(p: dict) -> list[str]:
     lines = [
         f"  FLOPs/step    {c['hlo_flops']:.4g} per device (matmuls in the compiled HLO, loops x trips{xla})"
     ]
+    if c.get("hlo_fp8_flops"):
+        lines.append(
+            f"  of them fp8   {c['hlo_fp8_flops']:.4g} (matmuls with float8 operands: train.precision=fp8)"
+        )
     if kernels:
         lines.append(
             f"  + kernels     {r['kernel_flops']:.4g} (analytic attention, in vendor kernels: {kernels})"

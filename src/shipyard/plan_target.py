@@ -72,6 +72,7 @@ def analyse(compiled, mesh, program=None) -> dict:
         + mem.output_size_in_bytes
         - mem.alias_size_in_bytes,
         "hlo_flops": costs.flops,
+        "hlo_fp8_flops": costs.fp8_flops,
         "traffic_bytes": costs.traffic_bytes,
         "xla_flops": float(xla.get("flops", 0.0)) if xla else None,
         "kernels": dict(costs.kernels),
@@ -136,6 +137,9 @@ def run_child(cfg: Config, target: Target) -> dict:
         lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()] or ["(no output)"]
         # the exception's own line, not the traceback's last frame or JAX's note under it
         errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+        refused = [ln for ln in errors if ln.startswith("shipyard.errors.ConfigError: ")]
+        if refused:  # the config asks what the target cannot do: the program's own one line
+            raise ConfigError(refused[-1].removeprefix("shipyard.errors.ConfigError: "))
         raise ConfigError(
             f"plan --target {target.spec}: compiling the train step failed: {(errors or lines)[-1][:400]}"
         )
@@ -146,7 +150,10 @@ def roofline(compiled: dict, target: Target, model_flops_per_device: float, kern
     """Step time from the compiled figures and the chip's peaks (module doc), with MFU."""
     chip = target.chip
     peak = target.per_device(chip.bf16_flops)
-    compute = (compiled["hlo_flops"] + kernel_flops) / peak
+    # fp8 matmuls (train.precision=fp8) run at the fp8 peak where the chip has one
+    fp8 = compiled.get("hlo_fp8_flops", 0.0) if chip.fp8_flops else 0.0
+    fp8_peak = target.per_device(chip.fp8_flops) if chip.fp8_flops else peak
+    compute = (compiled["hlo_flops"] - fp8 + kernel_flops) / peak + fp8 / fp8_peak
     memory = compiled["traffic_bytes"] / target.per_device(chip.hbm_bytes_per_s)
     comm = 0.0
     for row in compiled["collectives"]:

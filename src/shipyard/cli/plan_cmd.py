@@ -29,6 +29,8 @@ def _cmd_plan(args) -> int:
         sizes = resolve_mesh_shape(cfg.mesh, target.devices)
     else:
         sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
+    if args.search:
+        return _search(args, cfg, target)
     if target is not None:
         from shipyard.plan import target_device
 
@@ -74,6 +76,23 @@ def _cmd_plan(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["fits"] else 6
+
+
+def _search(args, cfg, target) -> int:
+    """--search: the layouts of `cfg` on the target, ranked by its compiler (plan_search.py)."""
+    import json
+
+    from shipyard import plan_search
+
+    if target is None:
+        raise ConfigError("--search ranks layouts by a target's compiler: give --target, e.g. h200x1536")
+    if args.mesh or args.rl or args.compare:
+        raise ConfigError("--search chooses the mesh itself: drop --mesh, --rl and --compare")
+    result = plan_search.search(cfg, target, args.compile_layers, shortlist=args.search_compile)
+    sys.stdout.write(plan_search.render(result, target) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 0 if result["best"] is not None and result["best"]["fits"] else 6
 
 
 def _target(args):
@@ -155,6 +174,18 @@ def register(sub) -> None:
         "data.seq_len tokens, where data.seq_len is the rollout's prompt + reply length, plus the "
         "rollout engine's KV cache and weights copy and the KL reference on the mesh's first device; "
         "the mesh is the rl settings' mesh=, else --mesh, else one device",
+    )
+    pl.add_argument(
+        "--search",
+        action="store_true",
+        help="with --target: rank meshes, remat and microbatching by the target compiler's roofline, "
+        "print the top 5 and the best one's recipe overrides (docs/targets.md)",
+    )
+    pl.add_argument(
+        "--search-compile",
+        type=int,
+        default=4,
+        help="--search: how many of the best-estimated fitting layouts to compile (default 4)",
     )
     pl.add_argument("--json", type=Path, help="also write the plan as JSON here")
     pl.set_defaults(func=_cmd_plan)

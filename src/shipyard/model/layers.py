@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from shipyard.config import RopeScaling
-from shipyard.model import nf4, quant
+from shipyard.model import fp8, nf4, quant
 from shipyard.parallel import backend
 
 
@@ -26,9 +26,12 @@ def layer_unroll(requested: int, layers: int) -> int:
 
 
 def dense(x: jax.Array, w) -> jax.Array:
-    """x[..., in] @ w[in, out]; w an array, an int8 `quant.QuantizedMatrix` or an `nf4.NF4Matrix`
+    """x[..., in] @ w[in, out]; w an array, an int8 `quant.QuantizedMatrix`, an `nf4.NF4Matrix` or an
+    `fp8.FP8Weight` (train.precision.matmul=fp8: e4m3 operands, e5m2 gradients),
     (the quantized ones: inference, and QLoRA's frozen base, which gets no weight gradient).
     A plain array multiplies through `_dense`'s CPU-laid-out backward on the CPU, as `x @ w` elsewhere."""
+    if fp8.is_fp8(w):
+        return fp8.matmul(x, w)
     if nf4.is_nf4(w):
         return nf4.matmul(x, w)
     if quant.is_quantized(w):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shipyard.model import nf4
+from shipyard.model import fp8, nf4
 from shipyard.parallel import backend
 
 INT8_MAX = 127.0
@@ -171,6 +171,8 @@ def apply(fn: Callable, *ws):
     `group_factors` leaves the axes inside the grouped one whole. A result whose
     scale no longer divides the values' shape is refused.
     """
+    if any(fp8.is_fp8(w) for w in ws):
+        return fp8.apply(fn, *ws)
     if any(nf4.is_nf4(w) for w in ws):
         if not all(nf4.is_nf4(w) for w in ws):
             raise TypeError("cannot combine NF4 and other weights in one matrix")

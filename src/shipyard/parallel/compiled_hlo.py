@@ -262,6 +262,8 @@ class Collective:
 @dataclass
 class Costs:
     flops: float = 0.0
+    fp8_flops: float = 0.0
+    """The part of `flops` whose operands are fp8 (what runs at an fp8 peak)."""
     traffic_bytes: float = 0.0
     collectives: list = field(default_factory=list)
     kernels: Counter = field(default_factory=Counter)
@@ -269,6 +271,7 @@ class Costs:
 
     def add(self, other: Costs, times: float) -> None:
         self.flops += other.flops * times
+        self.fp8_flops += other.fp8_flops * times
         self.traffic_bytes += other.traffic_bytes * times
         self.collectives += [(c, n * times) for c, n in other.collectives]
         for k, v in other.kernels.items():
@@ -367,17 +370,22 @@ class Reader:
         for ins in comp.instrs:
             op = ins.opcode
             if kernel_level and op not in NO_TRAFFIC and not op.endswith("-done"):
-                operand_bytes = sum(shape_bytes(comp.shapes.get(o, "")) for o in ins.operands)
-                out.traffic_bytes += operand_bytes + shape_bytes(ins.shape)
+                out.traffic_bytes += self._traffic(ins, comp)
             if op == "dot":
-                out.flops += _dot_flops(ins, comp.shapes)
+                flops = _dot_flops(ins, comp.shapes)
+                out.flops += flops
+                if all(comp.shapes.get(o, "").startswith("f8") for o in ins.operands[:2]):
+                    out.fp8_flops += flops
             elif op == "convolution":
                 out.flops += _conv_flops(ins, comp.shapes)
             elif op == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
                 target = target.group(1) if target else ""
                 if target in GEMM_TARGETS:
-                    out.flops += _gemm_flops(ins, comp.shapes)
+                    flops = _gemm_flops(ins, comp.shapes)
+                    out.flops += flops
+                    if target.endswith("$f8"):
+                        out.fp8_flops += flops
                 elif any(target.startswith(k) for k in KERNEL_TARGETS):
                     out.kernels[ins.name.split(".")[0] if target == "tpu_custom_call" else target] += 1
             elif op == "fusion":
@@ -403,6 +411,42 @@ class Reader:
             if base in COLLECTIVES:
                 out.collectives.append((self._collective(base, ins, comp), 1.0))
         return out
+
+    def _traffic(self, ins: Instr, comp: Computation) -> float:
+        """Bytes a kernel reads and writes: its operands and outputs, except that an operand a fusion
+        only slices (a layer's weights out of the stacked layers, in a scan) counts the slices, and
+        an output updated in place (a fusion whose root is a dynamic-update-slice) counts the update."""
+        sizes = [shape_bytes(comp.shapes.get(o, "")) for o in ins.operands]
+        written = shape_bytes(ins.shape)
+        if ins.opcode == "dynamic-slice" and sizes:
+            sizes[0] = written
+        elif ins.opcode == "dynamic-update-slice" and len(sizes) > 1:
+            sizes[0], written = 0.0, sizes[1]
+        elif ins.opcode == "fusion":
+            fused = self.comps.get(next(iter(_called(ins.attrs, "calls")), ""))
+            if fused is not None:
+                params = {
+                    i.name: int(i.args) for i in fused.instrs if i.opcode == "parameter" and i.args.isdigit()
+                }
+                users: dict[str, list[Instr]] = {}
+                for i in fused.instrs:
+                    for o in i.operands:
+                        users.setdefault(o, []).append(i)
+                for name, k in params.items():
+                    used = users.get(name, [])
+                    if (
+                        k < len(sizes)
+                        and used
+                        and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in used)
+                    ):
+                        sizes[k] = min(sizes[k], sum(shape_bytes(u.shape) for u in used))
+                root = fused.root
+                if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+                    written = shape_bytes(fused.shapes.get(root.operands[1], ""))
+                    buffer = root.operands[0]
+                    if buffer in params and params[buffer] < len(sizes):
+                        sizes[params[buffer]] = 0.0  # aliased in place: not read
+        return sum(sizes) + written
 
     def _collective(self, kind: str, ins: Instr, comp: Computation) -> Collective:
         if kind == "all-reduce" and comp.name.startswith("all-reduce-scatter"):

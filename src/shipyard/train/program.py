@@ -222,6 +222,16 @@ def check_attention(cfg: Config, mesh: Mesh) -> None:
     attention_impl(cfg.model, mesh.devices.flat[0].platform, d.seq_len, dtype, segments)
 
 
+def check_precision(cfg: Config, platform: str) -> None:
+    """ConfigError when train.precision.matmul=fp8 is asked of a TPU: v4 to v6e multiply in bf16 and
+    int8, not fp8 (on a CPU fp8 is emulated exactly, for tests; GPUs from H100 have fp8 units)."""
+    if cfg.train.precision.matmul == "fp8" and platform == "tpu":
+        raise ConfigError(
+            "train.precision: fp8 matmuls need fp8 units (NVIDIA H100/H200/B200), which TPU v4-v6e do "
+            "not have; use train.precision=bf16 on TPU"
+        )
+
+
 def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None = None) -> TrainProgram:
     """The train program of `cfg` on `mesh` (default: the config's mesh over all devices).
 
@@ -235,6 +245,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, *, eos_id: int | None =
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     check_offload(cfg, mesh)
     check_attention(cfg, mesh)
+    check_precision(cfg, mesh.devices.flat[0].platform)
     layout = layout_for(cfg, mesh)
     rules = layout.rules
     batch_shardings, abstract_batch = batch_layout(cfg, mesh, rules)

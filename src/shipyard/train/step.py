@@ -18,7 +18,7 @@ import optax
 
 from shipyard.config import Config
 from shipyard.data.preference import pair_slots
-from shipyard.model import transformer
+from shipyard.model import fp8, transformer
 from shipyard.model.moe import MoEStats
 from shipyard.model.partition import Partition
 from shipyard.model.transformer import TransformerParams, output_weights
@@ -110,6 +110,12 @@ def init_state(
         return _offloaded(state, cfg.train.offload)
 
     return jax.jit(build)(params)
+
+
+def matmul_params(p, precision):
+    """The compute-dtype params as the forward multiplies them: with train.precision.matmul=fp8 the
+    block matmul weights marked for fp8 (model/fp8.py), else unchanged."""
+    return fp8.wrap(p) if precision.matmul == "fp8" else p
 
 
 def _split_microbatches(x: jax.Array, n: int) -> jax.Array:
@@ -229,7 +235,7 @@ class GradientFn:
         """(loss of microbatch `mb` over the whole batch's `total_tokens`, (LossSums, MoEStats))."""
         train = self.cfg.train
         compute = jnp.dtype(train.precision.compute_dtype)
-        p = self.partition.compute_params(params, frozen, compute)
+        p = matmul_params(self.partition.compute_params(params, frozen, compute), train.precision)
         h, stats = self.hidden(p, mb, key)
         sums = self.token_sums(p, h, mb)
         # Normalise by the whole batch's token count so microbatch
@@ -323,7 +329,7 @@ class PreferenceGradientFn(GradientFn):
         train = self.cfg.train
         compute = jnp.dtype(train.precision.compute_dtype)
         logps, counts, stats = self.policy_logps(
-            self.partition.compute_params(params, frozen, compute), mb, key
+            matmul_params(self.partition.compute_params(params, frozen, compute), train.precision), mb, key
         )
         ref = self.reference_logps(frozen, reference, mb)
         sums = preference_sums(logps, ref, counts, mb["pair_mask"], train.preference)
@@ -535,7 +541,7 @@ def make_eval_step(
     def eval_step(params, frozen, batch):
         if cfg.train.offload.params:  # the state's params, in host memory
             params = offload.to_device(params)
-        p = partition.compute_params(params, frozen, compute)
+        p = matmul_params(partition.compute_params(params, frozen, compute), cfg.train.precision)
         tokens = batch["tokens"]
         h, _ = transformer.forward(
             p,
