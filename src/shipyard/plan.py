@@ -243,9 +243,12 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
     H, K = m.num_heads / t, m.num_kv_heads / t
     keys, impl = _attention_keys(cfg, sizes, device)
 
+    # cuDNN's and splash's kernels keep each tile of scores on chip (SRAM / VMEM): none in HBM
+    scores = 0.0 if impl in ("cudnn", "splash") else H * keys * (4 + c)
+
     def layer(mlp_width: float) -> tuple[float, float]:
         """(all intermediates of one layer, the matmul outputs among them) per token, bytes."""
-        attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + H * keys * (4 + c)
+        attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + scores
         dots = c * ((H + 2 * K) * D + 2 * E)
         mlp = c * 3 * mlp_width
         return attn + mlp, dots + c * 2 * mlp_width
@@ -279,13 +282,15 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
     else:
         saved = sum(f for f, _ in layers)
     logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
-    # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own.
-    accumulator = chunked_loss.accumulator_bytes(
-        tokens, E / sizes["fsdp"], m.vocab_size / t, cfg.train.loss_chunk_tokens
-    )
+    # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own, and it is
+    # the gradient of the gathered head: whole over fsdp until its reduce-scatter after the loop
+    # (XLA:GPU's buffer assignment for marin-8b on 64 H100s: f32[4096, 128256]).
+    accumulator = chunked_loss.accumulator_bytes(tokens, E, m.vocab_size / t, cfg.train.loss_chunk_tokens)
+    # FSDP gathers the head whole (compute dtype) for the loss, as it gathers each layer's weights.
+    gathered_head = c * E * m.vocab_size / t if sizes["fsdp"] > 1 else 0.0
     return {
         "activations": tokens * saved,
-        "logits": _loss_tokens(cfg, tokens) * logits + accumulator,
+        "logits": _loss_tokens(cfg, tokens) * logits + accumulator + gathered_head,
         "logit_tokens": _loss_tokens(cfg, tokens),
         "microbatch_tokens_per_device": tokens,
         "attention_impl": impl,

@@ -8,7 +8,8 @@ pipeline; with one, the three smallest counts of pipeline microbatches from one 
 GPipe or the deepest circular schedule). The analytic plan sizes each one in milliseconds and a first-order step time ranks them
 (`estimate`: compute with remat and bubble, FSDP gathers and reductions, the MoE token exchange,
 each over NVLink/ICI or the network); of the layouts the analytic plan says fit, the
-best-estimated one of each of the `shortlist` best meshes is compiled by the target's compiler (`plan --target`, with --compile-layers when given), the ones
+best-estimated one of each of the `shortlist` best meshes is compiled by the target's compiler (`plan --target`, with --compile-layers when given), after the
+config's own layout (the baseline), until that many fit or twice that many were compiled; the ones
 the compiler says fit are ranked by the compiled roofline, and the best is compiled again in full.
 MaxText and the others compile the one config you wrote; this looks for it.
 """
@@ -134,7 +135,7 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     from shipyard.plan import plan, target_device
 
     device = target_device(target)
-    rows = []
+    rows, errors = [], []
     for sizes, c in candidates(cfg, target.devices):
         try:
             p = plan(c, sizes, device, with_compiled=False, target=target)
@@ -149,12 +150,20 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     per_mesh: dict[tuple, dict] = {}
     for r in fitting:
         per_mesh.setdefault(tuple(r["mesh"].values()), r)
+    # The config's own layout first (the recipe as written is the baseline to beat), then meshes in
+    # estimate order until `shortlist` of them fit by the compiler or twice that many were compiled:
+    # the analytic plan can say fit where the compiler's buffers do not.
+    own = next((r for r in rows if _same_layout(r["config"], cfg)), None)
+    queue = ([own] if own is not None else []) + [r for r in per_mesh.values() if r is not own]
     compiled = []
-    for r in list(per_mesh.values())[:shortlist]:
+    for r in queue:
+        if sum(c["plan"]["fits"] for c in compiled) >= shortlist or len(compiled) >= 2 * shortlist:
+            break
         try:
             r["plan"] = plan(r["config"], r["mesh"], device, compile_layers=compile_layers, target=target)
         except ConfigError as e:
             r["error"] = str(e)
+            errors.append({"mesh": r["mesh"], "error": str(e)})
             continue
         compiled.append(r)
     good = sorted(
@@ -169,9 +178,23 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
         "analytic_fits": len(fitting),
         "compiled": len(compiled),
         "ranked": [_row(r) for r in (good + [r for r in compiled if not r["plan"]["fits"]])][:top],
+        "errors": errors,
+        "own_layout": None if own is None or "plan" not in own else _row(own),
         "best": best,
         "best_overrides": overrides(cfg, good[0]["config"]) if good else [],
     }
+
+
+def _same_layout(a: Config, b: Config) -> bool:
+    """Whether two configs lay the step out alike (mesh, remat, microbatching, schedule)."""
+    mesh = lambda c: c.mesh.model_dump(exclude={"rules"})  # noqa: E731
+    pipe = lambda c: None if c.train.pipeline is None else c.train.pipeline.model_dump()  # noqa: E731
+    return (
+        mesh(a) == mesh(b)
+        and a.model.remat == b.model.remat
+        and a.train.microbatches == b.train.microbatches
+        and pipe(a) == pipe(b)
+    )
 
 
 def overrides(base: Config, chosen: Config) -> list[str]:
@@ -229,6 +252,17 @@ def render(result: dict, target: Target) -> str:
         lines.append(
             f"{i:>2} {mesh + sched:<40} {r['remat']:<5} {micro:>5} {gib(r['peak_bytes']):>10} "
             f"{r['step_seconds']:>8.3g}s {r['mfu']:>5.0%}{verdict}"
+        )
+    for e in result.get("errors", []):
+        m = e["mesh"]
+        lines.append(
+            f"   {m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}: the compiler refused it: "
+            f"{e['error'][:160]}"
+        )
+    if result.get("own_layout"):
+        lines.append(
+            f"the config's own layout: {result['own_layout']['step_seconds']:.3g} s per step, "
+            f"{'fits' if result['own_layout']['fits'] else 'does NOT fit'}"
         )
     if result["best"] is not None:
         b = result["best"]

@@ -19,6 +19,8 @@ def _cmd_plan(args) -> int:
     cfg = load_config_arg(args.config, args.overrides, "plan")
     rl = _rl_config(args.rl) if args.rl is not None else None
     target = _target(args)
+    if args.search:
+        return _search(args, cfg, target)
     if rl is not None:
         from shipyard.plan import rl_mesh
 
@@ -29,8 +31,6 @@ def _cmd_plan(args) -> int:
         sizes = resolve_mesh_shape(cfg.mesh, target.devices)
     else:
         sizes = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg.mesh)
-    if args.search:
-        return _search(args, cfg, target)
     if target is not None:
         from shipyard.plan import target_device
 
