@@ -181,8 +181,8 @@ def predict(name: str, device: str) -> dict:
     shape = SMOKE if name == "smoke" else SHAPES[name]
     seq, dtype = shape.get("seq", 4096), shape.get("dtype", "bfloat16")
     cfg = load_config(shape["base"], [*overrides(shape, seq, dtype), "mesh.data=1"])
-    target = parse_target(f"{device}x1")
     try:
+        target = parse_target(f"{device}x1")  # a ConfigError for a device with no target (cpu)
         p = plan.plan(cfg, {"data": 1}, plan.target_device(target), target=target)
     except Exception as e:  # noqa: BLE001 - a prediction that cannot be made is reported, not fatal
         return {"predicted_error": str(e).splitlines()[0][:300]}

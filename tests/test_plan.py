@@ -227,3 +227,4 @@ def test_the_gpu_check_rehearses_on_cpu(tmp_path):
     assert row["tokens_per_second"] > 0 and 0 < row["mfu"] < 1
     assert row["peak_bytes_compiled"] > row["peak_bytes_analytic"] > 0
     assert len(row["losses"]) == 2 and all(x == x for x in row["losses"])
+    assert "is not a known target" in row["predicted_error"]  # a CPU has no compile-only target

@@ -21,6 +21,7 @@ from itertools import product
 
 from shipyard.config import Config, MeshConfig
 from shipyard.errors import ConfigError
+from shipyard.output import progress
 from shipyard.parallel.targets import GPUS_PER_HOST, Target
 
 
@@ -156,9 +157,15 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     own = next((r for r in rows if _same_layout(r["config"], cfg)), None)
     queue = ([own] if own is not None else []) + [r for r in per_mesh.values() if r is not own]
     compiled = []
+    bar = progress(desc=f"compiling layouts for {target.spec}", unit="layout", total=2 * shortlist)
     for r in queue:
         if sum(c["plan"]["fits"] for c in compiled) >= shortlist or len(compiled) >= 2 * shortlist:
             break
+        m = r["mesh"]
+        bar.set_postfix_str(
+            f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}", refresh=True
+        )
+        bar.update(1)
         try:
             r["plan"] = plan(r["config"], r["mesh"], device, compile_layers=compile_layers, target=target)
         except ConfigError as e:
@@ -166,6 +173,7 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
             errors.append({"mesh": r["mesh"], "error": str(e)})
             continue
         compiled.append(r)
+    bar.close()
     good = sorted(
         (r for r in compiled if r["plan"]["fits"]), key=lambda r: r["plan"]["roofline"]["step_seconds"]
     )
