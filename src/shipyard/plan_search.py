@@ -9,7 +9,9 @@ GPipe or the deepest circular schedule). The analytic plan sizes each one in mil
 (`estimate`: compute with remat and bubble, FSDP gathers and reductions, the MoE token exchange,
 each over NVLink/ICI or the network); of the layouts the analytic plan says fit, the
 best-estimated one of each of the `shortlist` best meshes is compiled by the target's compiler (`plan --target`, with --compile-layers when given), after the
-config's own layout (the baseline), until that many fit or twice that many were compiled; the ones
+config's own layout (the baseline), until that many fit or twice that many were tried (XLA:TPU
+refuses a program larger than HBM outright: a "does not fit" with its size), skipping layouts at
+least as tight as one that did not fit (`_dominated`); the ones
 the compiler says fit are ranked by the compiled roofline, and the best is compiled again in full.
 MaxText and the others compile the one config you wrote; this looks for it.
 """
@@ -17,6 +19,7 @@ MaxText and the others compile the one config you wrote; this looks for it.
 from __future__ import annotations
 
 import math
+import re
 from itertools import product
 
 from shipyard.config import Config, MeshConfig
@@ -158,9 +161,15 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     queue = ([own] if own is not None else []) + [r for r in per_mesh.values() if r is not own]
     compiled = []
     bar = progress(desc=f"compiling layouts for {target.spec}", unit="layout", total=2 * shortlist)
+    misses: list[dict] = []
     for r in queue:
-        if sum(c["plan"]["fits"] for c in compiled) >= shortlist or len(compiled) >= 2 * shortlist:
+        if (
+            sum(c["plan"]["fits"] for c in compiled) >= shortlist
+            or len(compiled) + len(errors) >= 2 * shortlist
+        ):
             break
+        if any(_dominated(r["mesh"], miss) for miss in misses):
+            continue  # a layout at least as tight as one the compiler said does not fit
         m = r["mesh"]
         bar.set_postfix_str(
             f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}", refresh=True
@@ -170,9 +179,19 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
             r["plan"] = plan(r["config"], r["mesh"], device, compile_layers=compile_layers, target=target)
         except ConfigError as e:
             r["error"] = str(e)
-            errors.append({"mesh": r["mesh"], "error": str(e)})
+            need = re.search(
+                r"RESOURCE_EXHAUSTED: Ran out of memory .*?\(([\d.]+)G\) exceeds available", str(e)
+            )
+            # XLA:TPU refuses a program larger than HBM: the compiler's "does not fit", with its size
+            errors.append(
+                {"mesh": r["mesh"], "error": str(e), "temp_gib": float(need.group(1)) if need else None}
+            )
+            if need:
+                misses.append(r["mesh"])
             continue
         compiled.append(r)
+        if not r["plan"]["fits"]:
+            misses.append(r["mesh"])
     bar.close()
     good = sorted(
         (r for r in compiled if r["plan"]["fits"]), key=lambda r: r["plan"]["roofline"]["step_seconds"]
@@ -191,6 +210,19 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
         "best": best,
         "best_overrides": overrides(cfg, good[0]["config"]) if good else [],
     }
+
+
+def _dominated(mesh: dict[str, int], miss: dict[str, int]) -> bool:
+    """Whether `mesh` holds at least what `miss` (a layout that did not fit) holds per device: the
+    same pipeline stages, no fewer data replicas, no more fsdp or tensor sharding of the state and
+    activations, and at least as wide an expert group (whose token exchange buffers grow with it)."""
+    return (
+        mesh["pipeline"] == miss["pipeline"]
+        and mesh["data"] >= miss["data"]
+        and mesh["fsdp"] <= miss["fsdp"]
+        and mesh["tensor"] <= miss["tensor"]
+        and mesh["expert"] >= miss["expert"]
+    )
 
 
 def _same_layout(a: Config, b: Config) -> bool:
@@ -263,10 +295,13 @@ def render(result: dict, target: Target) -> str:
         )
     for e in result.get("errors", []):
         m = e["mesh"]
-        lines.append(
-            f"   {m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}: the compiler refused it: "
-            f"{e['error'][:160]}"
-        )
+        mesh = f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}"
+        if e.get("temp_gib") is not None:
+            lines.append(
+                f"   {mesh}: does NOT fit: the compiler needs {e['temp_gib']:.1f} GB of temporaries alone"
+            )
+        else:
+            lines.append(f"   {mesh}: the compiler refused it: {e['error'][:160]}")
     if result.get("own_layout"):
         lines.append(
             f"the config's own layout: {result['own_layout']['step_seconds']:.3g} s per step, "
