@@ -257,15 +257,17 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
     layers = [dense] * m.num_dense_layers
     if m.moe is not None:
         e = m.moe
-        # Routed rows (k copies of the token, their gate/up/act) plus the shared experts.
-        width = (
-            e.experts_per_token * e.expert_intermediate_size
-            + e.num_shared_experts * e.expert_intermediate_size
-        ) / t
+        # Routed rows per local token: dropless, a device's expert compute takes all k copies of its
+        # expert group's tokens (ep x k rows, the ones routed elsewhere come out zero); with a
+        # capacity, its experts' buffers (capacity_factor x k rows). Each row: its sorted copy, its
+        # output, gate/up/act; plus the shared experts. (Counting k rows, the plan said 22 GiB where
+        # XLA:TPU needs 159-375 GiB for the 535B model with expert groups of 8-64.)
+        rows = e.experts_per_token * (sizes["expert"] if e.capacity_factor is None else e.capacity_factor)
+        width = (rows * e.expert_intermediate_size + e.num_shared_experts * e.expert_intermediate_size) / t
         full, dots = layer(width)
-        # Expert parallelism all-gathers the group's tokens (ep x E) before sorting k copies of them.
-        dispatch = c * E * (sizes["expert"] + 2 * e.experts_per_token)
-        layers += [(full + dispatch, dots + c * e.experts_per_token * E)] * m.num_moe_layers
+        # Expert parallelism all-gathers the group's tokens (ep x E) before sorting copies of them.
+        dispatch = c * E * (sizes["expert"] + 2 * rows)
+        layers += [(full + dispatch, dots + c * rows * E)] * m.num_moe_layers
     tokens = b * S / layout.context
     stages = 1 if schedule is None else schedule.stages
     if stages > 1:
