@@ -94,6 +94,22 @@ def test_the_moe_train_step_compiles_with_the_targets_grouped_matmul(devices, sp
     assert c["peak_bytes"] > 0
 
 
+@pytest.mark.parametrize(
+    ("spec", "overrides", "axis"),
+    [
+        (TPU, ["mesh.context=2", "mesh.data=2", "data.seq_len=256", "model.max_seq_len=256"], "context"),
+        (GPU, ["mesh.pipeline=2", "mesh.data=4", "train.pipeline={microbatches: 2}", *BF16], "pipeline"),
+    ],
+)
+def test_the_context_ring_and_the_pipeline_compile_for_a_target(devices, spec, overrides, axis):
+    cfg = load_config("tiny", overrides)
+    _, c = _train_step(cfg, devices[spec])
+    # the ring passes key/value chunks and the pipeline activations to the neighbour: permutes
+    assert any(r["kind"] == "collective-permute" and axis in r["axes"] for r in c["collectives"]), c[
+        "collectives"
+    ]
+
+
 def test_cpu_only_tuning_stays_out_of_a_target(devices):
     from shipyard.inference import cpu_decode
     from shipyard.inference.engine import decode_compiler_options

@@ -11,7 +11,8 @@ each over NVLink/ICI or the network); of the layouts the analytic plan says fit,
 best-estimated one of each of the `shortlist` best meshes is compiled by the target's compiler (`plan --target`, with --compile-layers when given), after the
 config's own layout (the baseline), until that many fit or twice that many were tried (XLA:TPU
 refuses a program larger than HBM outright: a "does not fit" with its size), skipping layouts at
-least as tight as one that did not fit (`_dominated`); the ones
+least as tight as one that did not fit (`_dominated`) and layouts whose analytic size, scaled by
+the median compiled/analytic ratio so far, would not fit; the ones
 the compiler says fit are ranked by the compiled roofline, and the best is compiled again in full.
 MaxText and the others compile the one config you wrote; this looks for it.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from itertools import product
 
 from shipyard.config import Config, MeshConfig
@@ -162,6 +164,11 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     compiled = []
     bar = progress(desc=f"compiling layouts for {target.spec}", unit="layout", total=2 * shortlist)
     misses: list[dict] = []
+    # compiled peak / analytic total of each layout compiled so far: where the compiler has needed
+    # more than the plan said (MoE token exchange, vendor buffers), the rest of the queue is judged
+    # by that calibration before spending a compile on it
+    ratios: list[float] = []
+    budget = 0.9 * device.memory_bytes
     for r in queue:
         if (
             sum(c["plan"]["fits"] for c in compiled) >= shortlist
@@ -170,6 +177,8 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
             break
         if any(_dominated(r["mesh"], miss) for miss in misses):
             continue  # a layout at least as tight as one the compiler said does not fit
+        if ratios and r["analytic"]["bytes"]["total"] * statistics.median(ratios) > budget:
+            continue  # would not fit if the compiler needs what it needed so far over the plan
         m = r["mesh"]
         bar.set_postfix_str(
             f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}", refresh=True
@@ -188,8 +197,10 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
             )
             if need:
                 misses.append(r["mesh"])
+                ratios.append(float(need.group(1)) * 1e9 / r["analytic"]["bytes"]["total"])
             continue
         compiled.append(r)
+        ratios.append(r["plan"]["compiled"]["peak_bytes"] / r["analytic"]["bytes"]["total"])
         if not r["plan"]["fits"]:
             misses.append(r["mesh"])
     bar.close()
