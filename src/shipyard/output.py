@@ -93,3 +93,11 @@ def progress(
     test output stay clean). Extra keywords go to tqdm (e.g. `initial`, `unit_scale`)."""
     kw.setdefault("disable", None if sys.stderr.isatty() else True)
     return tqdm(iterable, desc=desc, unit=unit, total=total, dynamic_ncols=True, mininterval=0.5, **kw)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest binary unit they fill, two decimals: '1.50 GiB', '640 B'."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

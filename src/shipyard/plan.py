@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from shipyard.config import Config, MeshConfig, RLConfig
 from shipyard.data.sizing import parse_amount
 from shipyard.errors import ConfigError
+from shipyard.output import human_bytes
 
 if TYPE_CHECKING:  # jax is imported only where a plan needs it
     from shipyard.parallel.layout import Layout
@@ -114,11 +115,7 @@ class _MeshShape:
         self.shape = sizes
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+_fmt = human_bytes
 
 
 # ----------------------------------------------------------------------------- analytic

@@ -26,6 +26,7 @@ import sys
 
 from shipyard.config import Config
 from shipyard.errors import ConfigError
+from shipyard.output import human_bytes
 from shipyard.parallel.targets import Target
 
 
@@ -179,11 +180,7 @@ def roofline(compiled: dict, target: Target, model_flops_per_device: float, kern
     }
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+_fmt = human_bytes
 
 
 def _seconds(s: float) -> str:
