@@ -141,7 +141,7 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     from shipyard.plan import plan, target_device
 
     device = target_device(target)
-    rows, errors = [], []
+    rows = []
     for sizes, c in candidates(cfg, target.devices):
         try:
             p = plan(c, sizes, device, with_compiled=False, target=target)
@@ -151,59 +151,16 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
     if not rows:
         raise ConfigError(f"plan --search: no layout of {cfg.run.name} splits over {target.spec}'s devices")
     fitting = sorted((r for r in rows if r["analytic"]["fits"]), key=lambda r: r["estimate"])
-    # the best-estimated settings of each mesh, the best `shortlist` meshes: compiles are minutes
-    # each at scale, and spending them on one mesh's remat variants would learn least
+    # the best-estimated settings of each mesh: compiles are minutes each at scale, and spending
+    # them on one mesh's remat variants would learn least
     per_mesh: dict[tuple, dict] = {}
     for r in fitting:
         per_mesh.setdefault(tuple(r["mesh"].values()), r)
     # The config's own layout first (the recipe as written is the baseline to beat), then meshes in
-    # estimate order until `shortlist` of them fit by the compiler or twice that many were compiled:
-    # the analytic plan can say fit where the compiler's buffers do not.
+    # estimate order: the analytic plan can say fit where the compiler's buffers do not.
     own = next((r for r in rows if _same_layout(r["config"], cfg)), None)
     queue = ([own] if own is not None else []) + [r for r in per_mesh.values() if r is not own]
-    compiled = []
-    bar = progress(desc=f"compiling layouts for {target.spec}", unit="layout", total=2 * shortlist)
-    misses: list[dict] = []
-    # compiled peak / analytic total of each layout compiled so far: where the compiler has needed
-    # more than the plan said (MoE token exchange, vendor buffers), the rest of the queue is judged
-    # by that calibration before spending a compile on it
-    ratios: list[float] = []
-    budget = 0.9 * device.memory_bytes
-    for r in queue:
-        if (
-            sum(c["plan"]["fits"] for c in compiled) >= shortlist
-            or len(compiled) + len(errors) >= 2 * shortlist
-        ):
-            break
-        if any(_dominated(r["mesh"], miss) for miss in misses):
-            continue  # a layout at least as tight as one the compiler said does not fit
-        if ratios and r["analytic"]["bytes"]["total"] * statistics.median(ratios) > budget:
-            continue  # would not fit if the compiler needs what it needed so far over the plan
-        m = r["mesh"]
-        bar.set_postfix_str(
-            f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}", refresh=True
-        )
-        bar.update(1)
-        try:
-            r["plan"] = plan(r["config"], r["mesh"], device, compile_layers=compile_layers, target=target)
-        except ConfigError as e:
-            r["error"] = str(e)
-            need = re.search(
-                r"RESOURCE_EXHAUSTED: Ran out of memory .*?\(([\d.]+)G\) exceeds available", str(e)
-            )
-            # XLA:TPU refuses a program larger than HBM: the compiler's "does not fit", with its size
-            errors.append(
-                {"mesh": r["mesh"], "error": str(e), "temp_gib": float(need.group(1)) if need else None}
-            )
-            if need:
-                misses.append(r["mesh"])
-                ratios.append(float(need.group(1)) * 1e9 / r["analytic"]["bytes"]["total"])
-            continue
-        compiled.append(r)
-        ratios.append(r["plan"]["compiled"]["peak_bytes"] / r["analytic"]["bytes"]["total"])
-        if not r["plan"]["fits"]:
-            misses.append(r["mesh"])
-    bar.close()
+    compiled, errors = _compile_queue(queue, target, device, compile_layers, shortlist)
     good = sorted(
         (r for r in compiled if r["plan"]["fits"]), key=lambda r: r["plan"]["roofline"]["step_seconds"]
     )
@@ -221,6 +178,51 @@ def search(cfg: Config, target: Target, compile_layers: int | None, shortlist: i
         "best": best,
         "best_overrides": overrides(cfg, good[0]["config"]) if good else [],
     }
+
+
+def _compile_queue(queue: list[dict], target: Target, device, compile_layers, shortlist: int):
+    """(compiled rows, refusals): the queue's layouts compiled by the target's compiler in turn until
+    `shortlist` fit or twice that many were tried, skipping the ones judged not to fit before a
+    compile (`_dominated`; the median compiled / analytic ratio so far: where the compiler has
+    needed more than the plan said, MoE token exchange, vendor buffers, the rest is judged by it)."""
+    from shipyard.plan import plan
+
+    compiled, errors, misses, ratios = [], [], [], []
+    budget = 0.9 * device.memory_bytes
+    bar = progress(desc=f"compiling layouts for {target.spec}", unit="layout", total=2 * shortlist)
+    for r in queue:
+        if (
+            sum(c["plan"]["fits"] for c in compiled) >= shortlist
+            or len(compiled) + len(errors) >= 2 * shortlist
+        ):
+            break
+        if any(_dominated(r["mesh"], miss) for miss in misses):
+            continue
+        if ratios and r["analytic"]["bytes"]["total"] * statistics.median(ratios) > budget:
+            continue
+        m = r["mesh"]
+        bar.set_postfix_str(
+            f"{m['pipeline']}/{m['data']}/{m['fsdp']}/{m['tensor']}/{m['expert']}", refresh=True
+        )
+        bar.update(1)
+        try:
+            r["plan"] = plan(r["config"], r["mesh"], device, compile_layers=compile_layers, target=target)
+        except ConfigError as e:
+            # XLA:TPU refuses a program larger than HBM: the compiler's "does not fit", with its size
+            need = re.search(
+                r"RESOURCE_EXHAUSTED: Ran out of memory .*?\(([\d.]+)G\) exceeds available", str(e)
+            )
+            errors.append({"mesh": m, "error": str(e), "temp_gib": float(need.group(1)) if need else None})
+            if need:
+                misses.append(m)
+                ratios.append(float(need.group(1)) * 1e9 / r["analytic"]["bytes"]["total"])
+            continue
+        compiled.append(r)
+        ratios.append(r["plan"]["compiled"]["peak_bytes"] / r["analytic"]["bytes"]["total"])
+        if not r["plan"]["fits"]:
+            misses.append(m)
+    bar.close()
+    return compiled, errors
 
 
 def _dominated(mesh: dict[str, int], miss: dict[str, int]) -> bool:
