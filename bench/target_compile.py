@@ -71,9 +71,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from shipyard.cpu_tuning import environment
-    from shipyard.parallel.targets import quiet_libtpu
 
-    quiet_libtpu()
     rows = []
     print(
         f"{'config':<10} {'target':<15} {'devices':>7} {'compile s (median [min, max])':>32} {'peak GiB':>9}"

@@ -21,7 +21,6 @@ TPU, GPU = "tpu-v5p:2x2x1", "h100x8"
 
 @pytest.fixture(scope="module")
 def devices():
-    targets.quiet_libtpu()
     return {spec: targets.compile_only_devices(targets.parse_target(spec)) for spec in (TPU, GPU)}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from shipyard.errors import ConfigError
@@ -174,33 +175,51 @@ QUIET_LIBTPU = {
 }
 
 
-def quiet_libtpu(env: dict = os.environ) -> None:
-    """Set QUIET_LIBTPU's variables the user has not set (call before libtpu loads)."""
+def quiet_libtpu(env: dict) -> None:
+    """Set QUIET_LIBTPU's variables the user has not set in `env` (a child process's environment)."""
     for key, value in QUIET_LIBTPU.items():
         env.setdefault(key, value)
+
+
+@contextmanager
+def _quiet_libtpu_here():
+    """QUIET_LIBTPU in this process's environment while libtpu loads, then as it was: left set, the
+    TPU worker variables make JAX's cluster detection (`jax.distributed`) see a TPU cluster."""
+    added = {k: v for k, v in QUIET_LIBTPU.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def compile_only_devices(target: Target) -> list:
     """The target's compile-only devices (nothing attached is used), in the vendor's order: hosts
     (process_index) in turn, a host's chips together."""
-    from jax.experimental import topologies
-
     try:
-        if target.platform == "tpu":
-            topo = topologies.get_topology_desc(
-                platform="tpu", topology_name=f"{target.chip.topology_name}:{target.topology}"
-            )
-        else:
-            topo = topologies.get_topology_desc(
-                topology_name=target.chip.name,
-                platform="cuda",
-                target_config=gpu_target_config(target.chip),
-                topology=target.topology,
-            )
+        with _quiet_libtpu_here():
+            return _topology(target)
     except (RuntimeError, ValueError) as e:
         need = "libtpu" if target.platform == "tpu" else "jax-cuda13-plugin and jax-cuda13-pjrt"
         raise ConfigError(
             f"--target {target.spec}: the {target.platform.upper()} compiler did not describe the devices "
             f"({str(e).splitlines()[0][:200]}); it needs {need} installed (`make install` does)"
         ) from e
+
+
+def _topology(target: Target) -> list:
+    from jax.experimental import topologies
+
+    if target.platform == "tpu":
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{target.chip.topology_name}:{target.topology}"
+        )
+    else:
+        topo = topologies.get_topology_desc(
+            topology_name=target.chip.name,
+            platform="cuda",
+            target_config=gpu_target_config(target.chip),
+            topology=target.topology,
+        )
     return list(topo.devices)
