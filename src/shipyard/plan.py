@@ -615,9 +615,8 @@ def plan_program(cfg: Config):
 
 def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     """Runs inside a process started with as many fake CPU devices as the mesh has."""
-    import jax
-
     from shipyard.config import build_config, read_yaml
+    from shipyard.plan_target import local_bytes
     from shipyard.train import offload
 
     program = plan_program(build_config(read_yaml(cfg_yaml, "plan config")))
@@ -626,11 +625,6 @@ def _compiled_child(cfg_yaml: str, sizes: dict[str, int]) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-
-    def local_bytes(tree) -> int:
-        return sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-        )
 
     trained_bytes, frozen_bytes = local_bytes(state.params), local_bytes(frozen)
     state_bytes = local_bytes(state)

@@ -24,7 +24,7 @@ import re
 import statistics
 from itertools import product
 
-from shipyard.config import Config, MeshConfig
+from shipyard.config import Config, MeshConfig, PipelineConfig
 from shipyard.errors import ConfigError
 from shipyard.output import progress
 from shipyard.parallel.targets import GPUS_PER_HOST, Target
@@ -73,11 +73,7 @@ def candidates(cfg: Config, n: int) -> list[tuple[dict[str, int], Config]]:
         # least one per stage), the first three: more of them shrink the bubble and the activations
         for micro in [d for d in _divisors(rows) if d >= P][:3]:
             for repeats in sorted({1, stack // P}):
-                pipe = cfg.train.pipeline.model_copy(update={"microbatches": micro, "repeats": repeats}) if cfg.train.pipeline else None  # fmt: skip
-                if pipe is None:
-                    from shipyard.config import PipelineConfig
-
-                    pipe = PipelineConfig(microbatches=micro, repeats=repeats)
+                pipe = PipelineConfig(microbatches=micro, repeats=repeats)
                 train = cfg.train.model_copy(update={"microbatches": 1, "pipeline": pipe})
                 out.append((sizes, _with(cfg, sizes, model, train)))
     return out

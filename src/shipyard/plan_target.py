@@ -45,10 +45,18 @@ def lower_step(cfg: Config, devices):
     return lowered, mesh, program
 
 
+def local_bytes(tree) -> float:
+    """Bytes one device holds of a tree of sharded abstract arrays (None: 0)."""
+    import jax
+
+    return float(
+        sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    )
+
+
 def analyse(compiled, mesh, program=None) -> dict:
     """Per-device figures of a compiled step: the compiler's memory analysis, the HLO's FLOPs,
     traffic, vendor kernels and collectives, XLA's own cost analysis where it gives one."""
-    import jax
 
     from shipyard.parallel import compiled_hlo
 
@@ -82,17 +90,8 @@ def analyse(compiled, mesh, program=None) -> dict:
         "hlo_fingerprint": compiled_hlo.fingerprint(text),
     }
     if program is not None:
-
-        def local(tree) -> float:
-            return float(
-                sum(
-                    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                    for x in jax.tree.leaves(tree)
-                )
-            )
-
-        state, params = local(program.abstract_state), local(program.abstract_state.params)
-        frozen = local(program.abstract_frozen) if program.abstract_frozen is not None else 0.0
+        state, params = local_bytes(program.abstract_state), local_bytes(program.abstract_state.params)
+        frozen = local_bytes(program.abstract_frozen)
         out.update(params_bytes=params + frozen, optimizer_bytes=state - params, state_bytes=state + frozen)
     return out
 
