@@ -12,8 +12,9 @@ checkpoint verified and no leftovers. A disk that fills up mid-save (a real, sma
 a boundary, so tensorstore's own writes fail too; and an injected ENOSPC at every boundary) gives
 one line and loses nothing.
 
-The runs go two at a time (this machine's two cores); the compiled step comes from the tests'
-shared compilation cache, so a run is mostly the interpreter's start-up.
+The runs go two at a time (this machine's two cores), each forked from a process that imported
+shipyard once (tests/forked_cli.py); the compiled step comes from the tests' shared compilation
+cache, so a run is mostly its JAX backend's start-up and six steps.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import forked_cli
 import numpy as np
 import pytest
 from kill_fixtures import final_params, logged_losses, logged_rows
@@ -55,13 +55,14 @@ def tokens(tmp_path_factory) -> Path:
 
 
 def _train(run_dir, tokens: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """`shipyard train` on one host device, with the fault switch set to `fault` (stdout + stderr)."""
+    """`shipyard train` on one host device, with the fault switch set to `fault` (stdout + stderr), as
+    a forked child of a process that imported shipyard once (tests/forked_cli.py)."""
     env = {k: v for k, v in os.environ.items() if k != "SHIPYARD_CHECKPOINT_FAULT"}
     env.update(XLA_FLAGS="", SHIPYARD_NO_REEXEC="1")
     if fault is not None:
         env["SHIPYARD_CHECKPOINT_FAULT"] = fault
     argv = [
-        *(sys.executable, "-m", "shipyard.cli.main", "train", "tiny"),
+        *("train", "tiny"),
         f"data.train_tokens={tokens}",
         f"train.steps={STEPS}",
         "train.schedule.warmup_steps=2",
@@ -73,16 +74,7 @@ def _train(run_dir, tokens: Path, *extra: str, fault: str | None = None) -> subp
         "--run-dir",
         str(run_dir),
     ]
-    # -X faulthandler: a run that hangs is stopped with SIGABRT, which prints where each thread is
-    argv = [argv[0], "-X", "faulthandler", *argv[1:]]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"the run hung (120 s); where its threads were:\n{out[-8000:]}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out)
+    return forked_cli.run(argv, env, timeout=120)
 
 
 @pytest.fixture(scope="module")
