@@ -81,6 +81,7 @@ def _close(got, want, what):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL, err_msg=what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", list(CASES.values()), ids=list(CASES))
 def test_training_forward_cached_decode_and_cpu_decode_agree(overrides):
     cfg, params, follow = _case(overrides)

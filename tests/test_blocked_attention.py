@@ -16,6 +16,9 @@ from shipyard.errors import ConfigError
 from shipyard.model import attention, attention_kernels, blocked_attention, transformer
 from shipyard.model.params import abstract_params, init_params
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 
 

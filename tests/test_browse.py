@@ -24,6 +24,9 @@ from browse_fixtures import INSTALL, browse_server, browser_paths, chromium, nee
 from shipyard.cli.main import main
 from shipyard.experiment.executor import run_pipeline
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 if (
     browser_paths() is None and os.environ.get("SHIPYARD_REQUIRE_BROWSER") != "1"
 ):  # one line, not one per test
@@ -381,8 +384,8 @@ def test_trace_finds_a_generated_span_in_the_training_shards(root, server, brows
     _shot(browser, "trace", tmp_path)
 
 
-def test_a_chat_run_of_a_moe_model_shows_its_packed_rows_with_their_loss_mask(tmp_path, browser):
-    """A run directory as ROOT (a mixture-of-experts model SFT'd on chats): the batch page shows the
+def test_a_chat_run_shows_its_packed_rows_with_their_loss_mask(tmp_path, browser):
+    """A run directory as ROOT (a model SFT'd on chats): the batch page shows the
     packed rows token for token, the trained (shaded) tokens exactly the loss mask's, each packed
     conversation's start marked."""
     from chat_fixtures import train_sft, upper_task, write_chats, write_tokenizer
@@ -393,7 +396,7 @@ def test_a_chat_run_of_a_moe_model_shows_its_packed_rows_with_their_loss_mask(tm
 
     chats = write_chats(tmp_path / "chats.jsonl", upper_task(0, 64))
     run = train_sft(tmp_path / "runs", "chat", chats, write_tokenizer(tmp_path / "tok"),
-                    "train.steps=2", "train.global_batch_size=8", config="moe-tiny")  # fmt: skip
+                    "train.steps=2", "train.global_batch_size=8")  # fmt: skip
     rows = load_data(load_config(str(run / "config.yaml")), say=lambda m: None).loader.rows(1)
     with browse_server(run) as base:
         browser.get(base)

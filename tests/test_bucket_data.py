@@ -111,6 +111,7 @@ def _no_secret(*roots: Path, text: str = "") -> None:
                 assert SECRET_KEY.encode() not in p.read_bytes(), p
 
 
+@pytest.mark.slow
 def test_bucket_chain_equals_local_chain_and_records_no_credentials(bucket, tmp_path, capsys):
     raw = _raw(tmp_path / "in")
     local = _chain(tmp_path / "local", raw, 1)
@@ -142,6 +143,7 @@ def _filter_and_tokenize(base: str, raw: str, tok: str, workers: int) -> dict[st
     return out
 
 
+@pytest.mark.slow
 def test_a_dropping_proxy_changes_nothing(bucket, tmp_path, s3_server, monkeypatch):
     raw = _raw(tmp_path / "in")
     raw_url, tok = f"{bucket}/raw", f"{bucket}/tok"
@@ -303,6 +305,7 @@ def test_shards_written_to_a_bucket_match_their_manifest(bucket, tmp_path, capsy
     assert f"documents match {out}/manifest.json" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_stream_cut_mid_file_is_retried_or_fails_in_one_line(
     bucket, tmp_path, s3_server, monkeypatch, capsys
 ):

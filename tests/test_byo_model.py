@@ -11,6 +11,9 @@ from hf_fixtures import corpus, write_hf_model
 
 from shipyard.cli.main import main
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

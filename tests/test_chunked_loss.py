@@ -15,6 +15,9 @@ from shipyard.train.chunked_loss import accumulator_bytes, head_loss_sums, logit
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state, make_eval_step, make_gradient_fn
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 def _close(got, want, tol=1e-6):
     """Every leaf within `tol` of the reference, relative to the reference's largest entry (and 1)."""

@@ -21,6 +21,9 @@ import yaml
 from shipyard.cli.main import build_parser, main
 from shipyard.config import Config, ConfigError, apply_overrides, build_config, load_config, to_yaml
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck

@@ -25,6 +25,9 @@ from shipyard.parallel.mesh import make_mesh
 from shipyard.train.program import build_program
 from shipyard.train.step import make_gradient_fn
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 TINY = [
     "train.global_batch_size=4",
     "data.seq_len=32",

@@ -160,6 +160,7 @@ def test_docstrings_are_checked_too(tmp_path):
     assert clean == [], clean
 
 
+@pytest.mark.slow
 def test_every_flag_of_every_command_is_in_cli_md(tmp_path):
     """docs/cli.md names every flag of every command (the real CLI's --help, walked); a flag written
     nowhere there is reported by command and flag."""

@@ -16,6 +16,9 @@ from kill_fixtures import final_params, logged_rows, start_train, wait_until
 from shipyard.cli.main import main
 from shipyard.data.shards import file_sha256
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 LN2 = float(np.log(2.0))
 PAIR_METRICS = (
     "pref_accuracy",

@@ -15,6 +15,9 @@ from shipyard.inference.decode import forward_cached, init_cache
 from shipyard.inference.engine import Engine, Request, Sampling, prompt_bucket
 from shipyard.model.quantize import maybe_quantize
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 RNG = np.random.default_rng(0)
 LENS = (5, 17, 1, 30, 9, 12, 3, 40, 22, 8)
 NEW = (12, 5, 20, 7, 16, 1, 9, 11, 14, 6)

@@ -53,6 +53,7 @@ def test_token_bytes_match_decoded_text(setup):
     assert token_byte_lengths(tok)[1] == 0  # <|eos|>
 
 
+@pytest.mark.slow
 def test_multiple_choice_and_cloze_tasks(setup):
     d, cfg, params, tok = setup
     rows = [

@@ -21,6 +21,9 @@ from shipyard.model.transformer import logits
 from shipyard.run.checkpoint import restore
 from shipyard.train.step import make_gradient_fn
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 

@@ -11,6 +11,9 @@ import pytest
 from shipyard.config import load_config
 from shipyard.model import fp8
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 def _quantized(a, dtype, largest):
     """float64 reference of fp8.quantize: (the dequantized values, the scale)."""

@@ -11,6 +11,9 @@ from shipyard.config import load_config
 from shipyard.inference.engine import engine_for
 from shipyard.model.transformer import logits
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 def _params(cfg):
     return noisy_params(cfg, key=2, seed=1, scale=0.2)

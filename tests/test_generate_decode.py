@@ -16,6 +16,7 @@ from shipyard.inference.engine import Engine
 PROMPTS = [[5, 17, 99, 3, 8, 2], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [

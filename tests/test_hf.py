@@ -135,6 +135,7 @@ def test_sharded_safetensors_with_index(tmp_path):
     assert set(back) == set(tensors) and all(np.array_equal(back[k], tensors[k]) for k in tensors)
 
 
+@pytest.mark.slow
 def test_cli_export_of_a_run_and_import_to_continue_training(tmp_path, byte_tokens, capsys):
     from shipyard.cli.main import main
     from shipyard.run.model_dir import load_model

@@ -12,6 +12,9 @@ from shipyard.config import load_config
 from shipyard.inference.engine import Engine, Request, Sampling
 from shipyard.inference.hot_swap import fingerprint
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 def test_requests_queued_before_a_swap_finish_on_the_old_weights_and_later_ones_run_on_the_new():
     """The swap is queued from the first request's first tokens (in the engine thread, so the order is

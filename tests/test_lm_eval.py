@@ -36,6 +36,9 @@ from shipyard.eval.tasks import multiple_choice  # noqa: E402
 from shipyard.inference.engine import Engine  # noqa: E402
 from shipyard.model.transformer import logits  # noqa: E402
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

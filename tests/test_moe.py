@@ -25,6 +25,9 @@ from shipyard.train.metrics import flops_per_token
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state, make_gradient_fn
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 
 def _layer(cfg, key=0, bias_scale=0.0):
     """One MoE layer's params (noisy init) with an optional random selection bias."""

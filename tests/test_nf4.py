@@ -12,6 +12,9 @@ from shipyard.model import nf4, quant
 from shipyard.model.partition import Partition
 from shipyard.model.transformer import logits
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes.functional")
 

@@ -13,6 +13,9 @@ from shipyard.train import offload
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 OVER = ["train.global_batch_size=8", "data.seq_len=16", "mesh.data=1", "mesh.fsdp=2"]
 
 

@@ -72,6 +72,7 @@ class Recorded:
         return [r for r in self.requests if r["entry"] == entry]
 
 
+@pytest.mark.slow
 def test_generate_chat_lm_eval_and_serve_share_one_engine_and_its_tokens(hf_dir, monkeypatch, capsys):
     pytest.importorskip("lm_eval")
     from fastapi.testclient import TestClient

@@ -16,6 +16,9 @@ from shipyard.config import MeshConfig, load_config
 from shipyard.parallel.distributed import settings
 from shipyard.parallel.mesh import logical_to_pspec
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 MESHES = {
     "data=8": dict(data=8),
     "fsdp=8": dict(data=1, fsdp=8),

@@ -24,6 +24,9 @@ from shipyard.parallel.mesh import make_mesh
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 B, L = 4, 32
 out = {}
 for dtype in ("bfloat16", "float32"):

@@ -22,6 +22,9 @@ from shipyard.parallel import pipeline
 from shipyard.parallel.mesh import make_mesh
 from shipyard.train.program import build_program
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 B, L = 8, 32
 TINY = [
     f"train.global_batch_size={B}",

@@ -10,6 +10,9 @@ from shipyard.errors import ConfigError
 from shipyard.model.transformer import num_active_params, num_params
 from shipyard.plan import DEVICES, measured_peak, parse_bytes, parse_mesh, plan, render
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 ONE = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
 
 

@@ -134,6 +134,7 @@ def test_blocks_are_shared_and_the_least_recently_used_deepest_go_first():
     assert index.held_tokens() == 0 and index.cached(a + [1]) == 0
 
 
+@pytest.mark.slow
 def test_a_serving_engine_reuses_blocks_at_once_and_n_samples_share_one_prefill(params):
     """A started engine reuses a cached prefix from the next prompt on (the same prefill program with
     fewer pieces: nothing to compile); a group of 3 seeded samples and greedy requests beside it get

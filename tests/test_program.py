@@ -65,6 +65,7 @@ def _config(kind: str, tmp_path, byte_tokens):
     return load_config("tiny", [*MESH, *RUN, "train.microbatches=2", *overrides])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretraining", "chat_sft"])
 def test_plan_compiles_the_step_train_runs_with_the_same_input_shardings(
     kind, tmp_path, byte_tokens, monkeypatch

@@ -28,6 +28,9 @@ from shipyard.inference.engine import Engine, decode_compiler_options, engine_fo
 from shipyard.model import attention, layers, quant, quantize
 from shipyard.model.transformer import logits, output_weights
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 VOCAB, STEPS, BATCH, SEQ = 512, 150, 16, 64
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
 

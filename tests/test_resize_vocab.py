@@ -24,6 +24,9 @@ from shipyard.cli.main import main
 from shipyard.config import load_config
 from shipyard.run.model_dir import load_model
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 QUIET = ["train.logging.progress=false", "train.logging.tensorboard=false", "train.logging.log_every=1"]
 PADDING = 4  # the resized model's vocabulary is B's size plus this many padding rows
 BASE_PADDING = 8  # the base's padding rows past A's tokens: the mean leaves them out

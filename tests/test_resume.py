@@ -96,6 +96,7 @@ def _files(directory):
     }
 
 
+@pytest.mark.slow
 def test_resume_refuses_what_would_not_continue_the_run(tmp_path, byte_tokens, capsys):
     """--resume refuses another model, batch size, sequence length, seed or training data: one line
     naming the field, exit 4, nothing in the run directory touched; raising train.steps (with the

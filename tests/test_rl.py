@@ -75,6 +75,7 @@ def _rollout_vs_trainer(model, rl, sampling_logprobs: bool, length: int = 48) ->
     return float(np.abs(trainer[mask] - batch["old_logp"][mask]).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "temperature, top_k, top_p, length", [(1.0, 0, 1.0, 48), (0.9, 20, 0.9, 200), (0.7, 5, 1.0, 48)]
 )
@@ -133,6 +134,7 @@ def test_fixed_shape_rollout_log_probs_are_the_trainer_s_bit_for_bit(model):
     assert np.abs(off[mask] - batch["old_logp"][mask]).max() > 0.1
 
 
+@pytest.mark.slow
 def test_the_update_on_a_data_x_fsdp_mesh_equals_one_device(model):
     """Two optimizer steps (full training and LoRA, with the KL term) on a 2 x 4 CPU mesh: the same
     losses and metrics as on one device within 1e-5, and the same params (see below)."""
@@ -265,6 +267,7 @@ def _learned_toward_the_reward(model, out: Path) -> float:
     return float(np.corrcoef(rewards, change)[0, 1])
 
 
+@pytest.mark.slow
 def test_a_lora_run_on_a_mesh_in_fixed_shape_mode_changes_only_low_rank_deltas(run_dir, model, tmp_path):
     """LoRA adapters trained on a 2 x 4 mesh with fixed-shape rollouts and the KL term: each batch's
     first update is on-policy, and OUT's merged weights differ from the start by rank-4 deltas on
@@ -374,6 +377,7 @@ def _lines(out: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_after_a_saved_state_resumes_bitwise(run_dir, tmp_path, monkeypatch):
     """A run that dies at step 3 (its state saved at step 2) and is started again with the same
     command ends with the metrics and params of a run that never stopped; other settings are refused."""
@@ -418,6 +422,7 @@ def test_a_run_stopped_after_a_saved_state_resumes_bitwise(run_dir, tmp_path, mo
         run_rl(str(run_dir), tmp_path / "cut", rl, say=lambda m: None)
 
 
+@pytest.mark.slow
 def test_chat_prompts_are_rendered_with_the_model_s_template_and_end_at_its_end_of_turn(run_dir, tmp_path):
     """A prompt file of chats: each is the model's own chat prompt (generation header included), its
     replies stop at the template's end-of-turn token, and the reward sees the last message."""

@@ -214,6 +214,7 @@ def _greedy_margin(params, cfg, prompts, out) -> float:
 SAME_LENGTH = [[5, 17, 99, 3], [42, 7, 300, 11], [7, 8, 9, 10], [200, 201, 1, 90]]
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_temperatures_are_greedy(tiny):
     cfg, params, engine = tiny
     greedy = complete(engine, SAME_LENGTH, 12)

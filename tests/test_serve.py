@@ -98,6 +98,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(server, client):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_chat_completions_equal_the_chat_model(server, client, run_dir):
     from shipyard.inference.chat import load_chat_model
 
@@ -905,6 +906,7 @@ def _warm_prefix(server, head: list[int]) -> None:
     assert _post(server, "/v1/completions", body).status_code == 200
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_requests_each_score_as_the_float64_forward(server, float64_model):
     """16 clients at once (the server has 8 slots: requests queue, join and leave a running batch),
     random prompt and reply lengths, echo + logprobs, half of them after a shared 40-token head (so
@@ -993,6 +995,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(slow_server):
     assert "tokens_out=120" in s.log_text() and "finish=length" in s.log_text()  # the request log line
 
 
+@pytest.mark.slow
 def test_serve_int8_with_a_bfloat16_cache_answers_like_generate_int8(run_dir, tmp_path, capsys):
     flags = ["--quantize", "int8", "--kv-dtype", "bfloat16"]
     s = ServerProcess(run_dir, "--max-batch", "4", *flags, log=tmp_path / "log")
@@ -1011,6 +1014,7 @@ def test_serve_int8_with_a_bfloat16_cache_answers_like_generate_int8(run_dir, tm
     assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
 
 
+@pytest.mark.slow
 def test_a_draft_model_over_http_gives_the_replies_of_the_server_without_one(
     server, client, run_dir, tmp_path
 ):

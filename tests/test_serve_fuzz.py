@@ -20,6 +20,9 @@ from serve_fixtures import ServerProcess, running_server, swap_runs
 
 from shipyard.inference.openapi import openapi_document
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 

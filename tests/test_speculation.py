@@ -90,6 +90,7 @@ def _assert_same_replies(fast: Engine, prompts, s: Sampling, want) -> None:
             np.testing.assert_allclose(c.logprobs, w.logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_greedy_text_is_the_same_with_speculation_on_and_off(params, monkeypatch):
     """Each prompt alone and all four together, in an engine that speculates 4 tokens a call and one
     that does not: the same tokens, log-probs within 1e-5 (a forward over 5 positions sums in another
@@ -103,6 +104,7 @@ def test_greedy_text_is_the_same_with_speculation_on_and_off(params, monkeypatch
     assert fast.accepted > 100 and fast.drafted > fast.accepted
 
 
+@pytest.mark.slow
 def test_a_serving_engine_compiles_its_check_aside_and_gets_the_same_text(params, monkeypatch):
     """A started engine compiles its check on a thread and decodes plainly meanwhile, then speculates:
     every greedy reply, alone or four at once, equals the engine without speculation's."""
@@ -133,6 +135,7 @@ def _draft_prompts():
     return [*_prompts()[:2], long, _prompts()[3]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["itself", "another model"])
 def test_a_draft_model_leaves_greedy_text_as_it_is(params, drafter):
     """Drafts from a draft model (inference/draft_model.py), each prompt alone and four at once: the
@@ -153,6 +156,7 @@ def test_a_draft_model_leaves_greedy_text_as_it_is(params, drafter):
         assert fast.drafted > 0 and fast.accepted < 0.5 * fast.drafted
 
 
+@pytest.mark.slow
 def test_a_serving_engine_with_a_draft_model_compiles_it_aside(params):
     """A started engine with a draft model decodes plainly while the draft's programs and the check
     compile on its thread, then speculates: greedy replies equal the plain engine's, and a seeded
@@ -184,6 +188,7 @@ def test_a_serving_engine_with_a_draft_model_compiles_it_aside(params):
     assert len(together[4][0]) == 30 and together[4][1] == "length"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.9)])
 def test_sampled_tokens_kept_by_the_rejection_rule_have_the_sampling_distribution(top_k, top_p):
     """40,000 draws of the rule on fixed logits (3 positions, 2 drafts, temperature 0.9, with and

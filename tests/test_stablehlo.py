@@ -25,6 +25,9 @@ from shipyard.inference.export import portable_config
 from shipyard.interop.hf import write_hf_dir
 from shipyard.run.model_dir import open_model_dir
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 BATCH = 2
 # token ids of different lengths, more prompts than the artifact's batch (three calls, the last one short)
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13], [250, 1, 64], [300, 301]]

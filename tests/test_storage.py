@@ -153,6 +153,7 @@ def test_a_server_stopped_for_seconds_is_waited_out(s3_server, bucket):
     assert time.monotonic() - t >= 2.5 and storage.read_bytes(f"{bucket}/during") == b"2"
 
 
+@pytest.mark.slow
 def test_a_store_down_past_the_retries_is_one_line(s3_server, bucket, monkeypatch):
     proxy = FaultProxy(s3_server.port)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)

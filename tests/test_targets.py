@@ -16,6 +16,9 @@ from shipyard.config import load_config
 from shipyard.errors import ConfigError
 from shipyard.parallel import backend, compiled_hlo, targets
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 TPU, GPU = "tpu-v5p:2x2x1", "h100x8"
 
 

@@ -131,6 +131,7 @@ def test_checkpoints_hold_the_train_state(tmp_path, byte_tokens):
     assert norm == pytest.approx(_metrics(tmp_path / "ck")[-1]["param_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_debug_nans_names_the_first_bad_operation(tmp_path, byte_tokens):
     import jax
 
