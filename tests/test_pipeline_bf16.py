@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
+pytestmark = pytest.mark.slow
+
 CHILD = r"""
 import json, sys
 import jax
@@ -23,9 +26,6 @@ from shipyard.model.params import init_params
 from shipyard.parallel.mesh import make_mesh
 from shipyard.train.program import build_program
 from shipyard.train.step import init_state
-
-# Heavy compiles and end-to-end runs: the `make test-slow` tier (docs/testing.md: tiers).
-pytestmark = pytest.mark.slow
 
 B, L = 4, 32
 out = {}
