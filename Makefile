@@ -28,11 +28,12 @@ $(STAMP): pyproject.toml requirements.lock
 quickstart: install
 	$(BIN)/shipyard quickstart --root $(QS)
 
-# Default tier: everything but the end-to-end runs marked slow. JOBS=N spreads a tier over N worker
+# The quick tier: every test not marked slow (docs/testing.md: tiers, by measured seconds); test-slow
+# runs the rest, and CI both. JOBS=N spreads a tier over N worker
 # processes (pytest-xdist; tests/xdist_schedule.py: a module stays on one worker, the costliest start
-# first), for machines with cores to spare. On 2 cores it gains nothing (measured: `make test` 36:22
-# on 2 workers, 36:25 in one process: XLA already runs each step on both cores) and load-sensitive
-# tests race there, so the default is one process.
+# first), for machines with cores to spare. On 2 cores it gains nothing (XLA already keeps both cores
+# busy; docs/testing.md has the measurement) and load-sensitive tests race there, so the default is
+# one process.
 JOBS ?= 1
 XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
 # The slowest tests printed at the end (DURATIONS=0: all, what tools/durations_table.py reads).
