@@ -62,7 +62,8 @@ def _train(run_dir, tokens: Path, *extra: str, fault: str | None = None) -> subp
     if fault is not None:
         env["SHIPYARD_CHECKPOINT_FAULT"] = fault
     argv = [
-        *("train", "tiny"),
+        "train",
+        "tiny",
         f"data.train_tokens={tokens}",
         f"train.steps={STEPS}",
         "train.schedule.warmup_steps=2",
