@@ -208,3 +208,20 @@ options:
         "    bytes    write bytes\n\noptions:\n  -h, --help  show help\n"
     )
     assert sub.subcommands == ["bytes", "verify"]
+
+
+def test_a_claim_row_says_slow_exactly_when_its_test_is_in_the_second_tier(tmp_path):
+    """docs/testing.md's `(slow)` after a test is checked against the test's marks: dropped from a
+    slow test and written after a quick one, both are reported; the real table passes."""
+    mod = _checker_module()
+    slow = "`tests/test_pipeline.py: test_quickstart_pipeline_beats_unigram`"
+    quick = "`tests/test_pipeline.py: test_a_killed_step_leaves_no_marker_and_is_redone`"
+    text = planted("docs/testing.md", f"{slow} (slow)", slow).replace(f"{quick} |", f"{quick} (slow) |", 1)
+    assert f"{quick} (slow)" in text, "docs/testing.md's row for the killed step changed: update this test"
+    copy = tmp_path / "testing.md"
+    copy.write_text(text)
+    found = [str(p) for p in mod.tier_problems(ROOT, copy, "testing.md")]
+    assert len(found) == 2, found
+    assert f"testing.md:{line_of(text, slow)}:" in found[0] and "write (slow)" in found[0], found
+    assert f"testing.md:{line_of(text, quick)}:" in found[1] and "yet the row says" in found[1], found
+    assert mod.tier_problems(ROOT, ROOT / "docs" / "testing.md", "docs/testing.md") == []

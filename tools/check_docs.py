@@ -935,6 +935,56 @@ def undocumented_flags(checker: Checker, cli_md: Path, display: str) -> list[Pro
     return probs
 
 
+TEST_REF = re.compile(r"`(tests/test_\w+\.py): (\w+)`( \(slow\b)?")
+
+
+def _marked_slow(node) -> bool:
+    """Whether an expression (a decorator, a `pytestmark` value) names `pytest.mark.slow`."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "slow" for n in ast.walk(node))
+
+
+@functools.cache
+def _slow_tests(path: Path) -> dict[str, bool] | None:
+    """{test function: marked slow} of a test module (a module-level `pytestmark` with `slow` marks
+    every test; else the function's own decorators), read with ast; None if it cannot be parsed."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    whole = any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+        and _marked_slow(node.value)
+        for node in tree.body
+    )
+    return {
+        node.name: whole or any(_marked_slow(d) for d in node.decorator_list)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def tier_problems(root: Path, testing_md: Path, display: str) -> list[Problem]:
+    """docs/testing.md writes `(slow)` right after each test of the second tier (`make test-slow`) and
+    nothing after one of `make test`'s: a test moved between the tiers must move its annotation, or
+    the table tells a reader that `make test` checks a claim it does not."""
+    probs = []
+    for number, line in enumerate(testing_md.read_text().splitlines(), 1):
+        for m in TEST_REF.finditer(line):
+            tests = _slow_tests(root / m.group(1))
+            if tests is None or m.group(2) not in tests:
+                continue  # a missing file or test is the code-reference check's to report
+            slow, said = tests[m.group(2)], m.group(3) is not None
+            if slow != said:
+                why = (
+                    "marked slow, so it runs in `make test-slow`: write (slow) after it"
+                    if slow
+                    else ("not marked slow (it runs in `make test`), yet the row says (slow)")
+                )
+                probs.append(Problem(display, number, f"{m.group(1)}: {m.group(2)}", why))
+    return probs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/*.md)")
@@ -957,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.extend(checker.check_file(f, display))
         if display == "docs/cli.md" and not args.files:
             problems.extend(undocumented_flags(checker, f, display))
+        if display == "docs/testing.md":
+            problems.extend(tier_problems(root, f, display))
     for p in problems:
         print(p)
     sys.stdout.flush()
