@@ -4,6 +4,7 @@ decode step, for tpu-v5p:2x2x1 and h100x8; none of the CPU-only tuning leaks int
 reader counts what the compiled text says; `shipyard plan --target` prints it."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -136,34 +137,54 @@ def test_cpu_only_tuning_stays_out_of_a_target(devices):
 
 @pytest.mark.parametrize("spec", [TPU, GPU])
 @pytest.mark.parametrize("int8", [False, True])
-def test_the_decode_step_compiles_for_the_target(devices, spec, int8):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from shipyard.inference.decode import KVCache, forward_cached
+def test_the_serving_engines_programs_compile_for_the_target(devices, spec, int8):
+    """The engine `shipyard serve` runs, built for the target (bf16 or int8 weights): its decode step
+    is the plain `forward_cached` (not the CPU one) and it and the prefill buckets compile there with
+    none of the CPU's XLA options; an engine built for the CPU refuses to be lowered for a target."""
+    from shipyard.inference.engine import Engine
     from shipyard.model import transformer
-    from shipyard.model.params import abstract_params
+    from shipyard.model.params import init_params
     from shipyard.model.quantize import quantize_params
 
     cfg = load_config("tiny").model
     dev = devices[spec][:1]  # one serving replica
-    here = NamedSharding(jax.sharding.Mesh(np.array(dev), ("x",)), PartitionSpec())
-    params = abstract_params(transformer.param_specs(cfg))
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    params = init_params(transformer.param_specs(cfg), jax.random.key(0))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     if int8:
-        params = jax.eval_shape(lambda p: quantize_params(p, cfg), params)
-    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here)  # noqa: E731
-    shape = (cfg.num_layers, 4, 64, cfg.num_kv_heads, cfg.head_dim)
-    cache = KVCache(*(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(2)))
-    args = jax.tree.map(
-        place, (params, jnp.zeros((4, 1), jnp.int32), cache, jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
-    )
+        params = quantize_params(params, cfg)
     with backend.compiling_for(dev):
-        step = jax.jit(lambda p, t, c, pos, s: forward_cached(p, t, c, pos, s, cfg), donate_argnums=2)
-        lowered = step.lower(*args)
+        engine = Engine(params, cfg, max_batch=4, max_len=32)
+    assert engine.platform == backend.platform_of(dev) and not engine.uses_cpu_decode
+    lowered = engine.lower_for(dev)
+    assert sorted(lowered) == [("admit", 16), ("decode", 4, 32)]
+    for key, program in lowered.items():
+        text = program.compile().as_text()
+        assert "ynn" not in text.lower(), key
+        if key[0] == "decode":  # tokens_per_call steps of every layer's attention projections
+            costs = compiled_hlo.Reader(text, {"replica": 1}).entry()
+            assert costs.flops > 2 * 4 * cfg.num_layers * cfg.hidden_size * cfg.head_dim * cfg.num_heads
+    with pytest.raises(ValueError, match="an engine built for cpu cannot be lowered for"):
+        Engine(params, cfg, max_batch=4, max_len=32).lower_for(dev)
+
+
+@pytest.mark.parametrize("spec,mesh", [(TPU, ["mesh.data=2", "mesh.fsdp=2"]), (GPU, [])])
+def test_the_rl_update_compiles_for_the_target(devices, spec, mesh):
+    """`shipyard rl`'s trainer update (GRPO loss, the KL term, AdamW) lowered as the run places it: on
+    a data x fsdp mesh of the TPU slice (params sharded, rows split), on one GPU without a mesh."""
+    from shipyard.config import build_rl_config
+    from shipyard.rl.target import lower_update
+
+    cfg = load_config("tiny").model
+    rl = build_rl_config(["prompts_per_step=4", "group_size=4", "beta=0.04", *mesh])
+    lowered, length, used = lower_update(cfg, rl, 20, devices[spec])
+    # 48 tokens a row: the trainer's 47 positions on TPU; 49 on a GPU (rl/step.py: sequence_length,
+    # XLA:GPU finds no Triton tiles for the update's fp32 dots over 16 x 47 positions)
+    assert length == (49 if spec == GPU else 48)
     text = lowered.compile().as_text()
     assert "ynn" not in text.lower()
-    costs = compiled_hlo.Reader(text, {"x": 1}).entry()
-    assert costs.flops > 2 * 4 * cfg.num_layers * cfg.hidden_size * cfg.head_dim * cfg.num_heads
+    assert used.devices.size == (4 if mesh else 1)
+    if mesh:  # the gradients of sharded params are reduced over the mesh
+        assert re.search(r"(all-reduce|reduce-scatter)(-start)?\(", text)
 
 
 # ----------------------------------------------------------------------------- the HLO reader

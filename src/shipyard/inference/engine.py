@@ -745,6 +745,9 @@ class Engine:
 
     def _init_programs(self, path, kv_dtype) -> None:
         """The jitted programs of this engine's settings (`_programs`) and the ones compiled aside."""
+        self.platform = backend.platform()
+        """The platform the programs are built for ("cpu", "gpu", "tpu"): the decode path and XLA options
+        are chosen for it (`lower_for` lowers them for a target's devices of that platform)."""
         self._admit, self._decode, self._verify = _programs(
             self.params,
             self.cfg,
@@ -966,6 +969,34 @@ class Engine:
         for _, key in sorted(rest):
             self._compiled(key)
         return len(rest)
+
+    def lower_for(self, devices: Sequence[jax.Device]) -> dict[tuple, jax.stages.Lowered]:
+        """The programs `compile(first_only=True)` builds (`first_programs`), lowered for `devices` (a
+        target's compile-only ones, parallel/targets.py) on the first of them, one serving replica as
+        `shipyard serve` runs one: {("decode", rows, slots) or ("admit", P): lowered program}. Build
+        the engine inside `backend.compiling_for(devices)`: its decode path and XLA options are
+        chosen, when it is built, for the platform it is built for."""
+        platform = backend.platform_of(devices)
+        if platform != self.platform:
+            raise ValueError(
+                f"an engine built for {self.platform} cannot be lowered for {platform}: build it inside "
+                "backend.compiling_for(devices)"
+            )
+        mesh = jax.sharding.Mesh(np.array(devices[:1]), ("replica",))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def placed(example: list) -> list:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), example)
+
+        shapes, buckets = self.first_programs()
+        lowered = {}
+        with backend.compiling_for(devices):
+            for rows, span in shapes:
+                decode = placed(self._decode_example())
+                lowered[("decode", rows, span)] = self._decode.lower(*decode, n_rows=rows, span=span)
+            for P in buckets:
+                lowered[("admit", P)] = self._admit.lower(*placed(self._admit_example(P)))
+        return lowered
 
     def _compiled(self, key: tuple):
         """`_program` for a decode shape ("decode", rows, slots) or a started engine's prefill bucket

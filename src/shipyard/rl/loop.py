@@ -43,7 +43,7 @@ from shipyard.rl.loss import group_advantages
 from shipyard.rl.placement import placement_for
 from shipyard.rl.report import write_rl_report
 from shipyard.rl.rollout import Group, build_batch, informative, pass_at, reply_seed, sample_groups
-from shipyard.rl.step import build_optimizer, make_distribution, make_update, on_policy_model
+from shipyard.rl.step import build_optimizer, make_distribution, make_update, on_policy_model, sequence_length
 from shipyard.train.metrics import MetricsWriter
 
 EVAL_SEED = 0x5EED
@@ -187,7 +187,7 @@ def _place(rl: RLConfig, model_cfg, params, longest: int) -> tuple:
     """Size the run for prompts of up to `longest` tokens and place it on rl.mesh (rl/placement.py):
     (the on-policy model config, its length: prompt + reply, the placement, the trainable part, the
     frozen rest)."""
-    length = -(-(longest + rl.max_tokens + 8) // 16) * 16  # prompt + reply, headroom for longer prompts
+    length = sequence_length(longest, rl.max_tokens)
     if length > model_cfg.max_seq_len:
         raise ConfigError(
             f"rl: prompts of {longest} tokens + max_tokens {rl.max_tokens} exceed the model's context "

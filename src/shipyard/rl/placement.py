@@ -66,14 +66,15 @@ class Placement:
         return jax.device_put(merged, self.layout.mesh.devices.flat[0])
 
 
-def placement_for(model: ModelConfig, rl: RLConfig, length: int) -> Placement:
+def placement_for(model: ModelConfig, rl: RLConfig, length: int, devices=None) -> Placement:
     """The placement of an RL run whose batches are prompts_per_step x group_size rows of `length`
-    tokens; ConfigError in one line when the mesh does not fit the devices or the rows."""
+    tokens, on `devices` (default: all of JAX's; a target's compile-only ones to lower the update
+    for it, rl/target.py); ConfigError in one line when the mesh does not fit the devices or the rows."""
     partition = Partition(model, rl.finetune)
     merge = None if partition.kind == "full" else jax.jit(partition.merged_for_export)
     if rl.mesh is None:
         return Placement(partition, None, merge=merge)
-    mesh = make_mesh(rl.mesh)
+    mesh = make_mesh(rl.mesh, devices)
     rules = rules_for(rl.mesh)
     rows = rl.prompts_per_step * rl.group_size
     split = math.prod(mesh.shape[a] for a in ("data", "fsdp"))

@@ -53,6 +53,16 @@ def token_logps(params, tokens: jax.Array, cfg: ModelConfig, temperature, top_k,
     return chosen, entropy
 
 
+def sequence_length(longest: int, max_tokens: int) -> int:
+    """Tokens per row of an RL run for prompts of up to `longest` tokens: prompt + reply + headroom for
+    longer prompts, a multiple of 16. On a GPU one more, so that the trainer's positions (length - 1:
+    each predicts the next token) are the multiple of 16: XLA:GPU's Triton GEMM tiling finds no tile
+    sizes for the update's fp32 dots over rows x (16k - 1) positions (jax-cuda13 0.10.2, compiled
+    for an H100 by tests/test_targets.py; 16k + 1 compiles)."""
+    length = -(-(longest + max_tokens + 8) // 16) * 16
+    return length + 1 if backend.platform() == "gpu" else length
+
+
 def on_policy_model(cfg: ModelConfig, length: int) -> ModelConfig:
     """The model config RL's trainer and rollout engine both run for sequences of `length` tokens: on
     CPU, where attention would be the reference core, the `ordered` one (model/attention.py), whose
