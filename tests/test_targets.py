@@ -335,3 +335,29 @@ def test_search_ranks_compiled_layouts_and_gives_the_recipe(tmp_path):
     assert all(np.prod(list(r["mesh"].values())) == 8 for r in ranked)
     assert result["best"]["roofline"]["step_seconds"] == pytest.approx(ranked[0]["step_seconds"])
     assert "recipe overrides: mesh." in proc.stdout
+
+
+def test_the_plan_counts_fp8_matmuls_at_the_fp8_peak():
+    """train.precision=fp8: the block matmuls' share of the FLOPs runs at the fp8 peak in the analytic
+    step time. tiny by hand: fp8 weights per token 2 layers x (q k v o: 64 x 16 x 12 = 12,288 + MLP
+    3 x 64 x 192 = 36,864) = 98,304 of 131,072 matmul weights (the head's 32,768 stays bf16); FLOPs
+    per token 6 x 131,072 + attention 12 x 2 x 128 x 64 = 983,040; the fp8 share 6 x 98,304 / that
+    = 0.6. A device without fp8 units runs them at its bf16 peak."""
+    from shipyard.plan import DEVICES, plan, render, target_device
+
+    def planned(precision, device):
+        cfg = load_config("tiny", [f"train.precision{precision}"])
+        return plan(cfg, {"data": 1}, device, with_compiled=False)
+
+    bf16 = planned(".compute_dtype=bfloat16", DEVICES["h100"])
+    fp8 = planned("=fp8", DEVICES["h100"])
+    assert bf16["fp8_flop_share"] == 0.0 and fp8["fp8_flop_share"] == pytest.approx(0.6)
+    assert fp8["step_seconds"] / bf16["step_seconds"] == pytest.approx(0.4 + 0.6 * 989 / 1979)
+    assert "fp8 matmuls: 60.0% of the FLOPs (attention and MLP projections), at the fp8 peak" in render(fp8)
+    a100 = planned("=fp8", DEVICES["a100"])
+    assert a100["step_seconds"] == pytest.approx(
+        planned(".compute_dtype=bfloat16", DEVICES["a100"])["step_seconds"]
+    )
+    assert "at the bf16 peak: this device has no fp8 units" in render(a100)
+    assert target_device(targets.parse_target("h100x8")).fp8_flops == 1979e12
+    assert target_device(targets.parse_target(TPU)).fp8_flops is None

@@ -55,11 +55,14 @@ class Device:
     """Dense bf16 peak FLOP/s per device (fp32 on CPU)."""
     platform: str | None = None
     """The JAX backend it runs ("gpu", "tpu"); None: looked up by name in `_BACKENDS`."""
+    fp8_flops: float | None = None
+    """Dense fp8 matmul peak FLOP/s per device (train.precision=fp8); None: no fp8 units, its matmuls
+    run at the bf16 peak."""
 
 
 DEVICES = {
-    "h100": Device("h100", 80 * 2**30, 989e12),
-    "h200": Device("h200", 141 * 2**30, 989e12),
+    "h100": Device("h100", 80 * 2**30, 989e12, fp8_flops=1979e12),
+    "h200": Device("h200", 141 * 2**30, 989e12, fp8_flops=1979e12),
     "a100": Device("a100", 80 * 2**30, 312e12),
     "tpu-v5p": Device("tpu-v5p", 95 * 2**30, 459e12),
     "cpu": Device("cpu", 24 * 2**30, 150e9),
@@ -337,6 +340,7 @@ def analytic(
 ) -> dict:
     """The analytic plan as a dict (all byte figures per device; with `rl`, of the mesh's first
     device, which also hosts the rollout engine)."""
+    from shipyard.model import fp8
     from shipyard.model.transformer import num_active_params, num_params
     from shipyard.parallel.layout import layout_for
     from shipyard.train.metrics import flops_per_token
@@ -361,7 +365,13 @@ def analytic(
     pipeline = _pipeline(layout)
     # Pipeline stages idle for the bubble's share of the schedule.
     busy = 1.0 - (pipeline["bubble"] if pipeline else 0.0)
-    step_s = flops_tok * step_tokens / (n_dev * device.peak_flops * mfu * busy)
+    # train.precision=fp8: the block matmuls' share of the FLOPs runs at the fp8 peak (where there is
+    # one), the rest (head, attention scores, experts, router) at the bf16 peak.
+    fp8_share = (
+        6.0 * fp8.params_per_token(cfg.model) / flops_tok if cfg.train.precision.matmul == "fp8" else 0.0
+    )
+    per_flop = (1 - fp8_share) / device.peak_flops + fp8_share / (device.fp8_flops or device.peak_flops)
+    step_s = flops_tok * step_tokens * per_flop / (n_dev * mfu * busy)
     out = {
         "devices": n_dev,
         "mesh": sizes,
@@ -380,6 +390,7 @@ def analytic(
         "microbatch_tokens_per_device": act["microbatch_tokens_per_device"],
         "flops_per_token": flops_tok,
         "flops_per_step": flops_tok * step_tokens,
+        "fp8_flop_share": fp8_share,
         "mfu": mfu,
         "step_seconds": step_s,
         "tokens_per_second": step_tokens / step_s,
@@ -746,8 +757,13 @@ def target_device(target) -> Device:
     """A `parallel.targets.Target`'s device as the planner divides by: each device's share of its
     chip's memory and bf16 peak."""
     chip = target.chip
+    fp8 = None if chip.fp8_flops is None else target.per_device(chip.fp8_flops)
     return Device(
-        target.spec, target.per_device(chip.memory_bytes), target.per_device(chip.bf16_flops), chip.platform
+        target.spec,
+        target.per_device(chip.memory_bytes),
+        target.per_device(chip.bf16_flops),
+        chip.platform,
+        fp8_flops=fp8,
     )
 
 
@@ -1083,6 +1099,7 @@ def _time_lines(p: dict) -> list[str]:
     """FLOPs, the step time and throughput at the plan's MFU, and the token budget's days."""
     lines = [
         f"FLOPs: {p['flops_per_token']:.4g} per token (6 x active params + attention), {p['flops_per_step']:.4g} per step",
+        *_fp8_line(p),
         f"at {p['mfu']:.0%} MFU: {p['step_seconds']:.3g} s per step, {p['tokens_per_second']:,.0f} tokens/s",
     ]
     if "token_budget" in p:
@@ -1090,6 +1107,17 @@ def _time_lines(p: dict) -> list[str]:
             f"{p['token_budget']:.3g} tokens: {p['days']:,.1f} days, {p['device_hours']:,.0f} device-hours"
         )
     return lines
+
+
+def _fp8_line(p: dict) -> list[str]:
+    share = p.get("fp8_flop_share", 0.0)
+    if not share:
+        return []
+    peak = p["device"].get("fp8_flops")
+    where = (
+        f"at the fp8 peak ({peak:.4g} FLOP/s)" if peak else "at the bf16 peak: this device has no fp8 units"
+    )
+    return [f"fp8 matmuls: {share:.1%} of the FLOPs (attention and MLP projections), {where}"]
 
 
 def _verdict_line(p: dict) -> str:

@@ -49,6 +49,13 @@ class FP8Weight:
         return self.w.dtype
 
 
+def params_per_token(cfg) -> int:
+    """Weights one token is multiplied with in fp8 (`WRAPPED`): every layer's attention projections and
+    the dense layers' MLP (a `model.ModelConfig`; the planner's share of FLOPs at the fp8 peak)."""
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    return cfg.num_layers * attn + cfg.num_dense_layers * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
 def is_fp8(w) -> bool:
     return isinstance(w, FP8Weight)
 
