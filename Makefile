@@ -34,7 +34,8 @@ quickstart: install
 # same for `make test-slow`. Measured on 2 cores (docs/testing.md): the quick tier gains nothing from
 # a second worker (its tests compile, and XLA already keeps both cores busy), while the slow tier's
 # tests spend much of their time waiting on subprocesses, servers and clusters, and two workers take
-# it from 61:34 to 39:52; so one and two.
+# it from 61:34 to 39:52; so one and two. Tests marked `solo` (a process's memory or timing under
+# load) run after the workers, alone.
 JOBS ?= 1
 SLOW_JOBS ?= 2
 xdist = $(if $(filter 1,$(1)),,-n $(1) --dist loadgroup)
@@ -45,7 +46,8 @@ test: install
 	$(BIN)/python -m pytest -q -m "not slow" $(call xdist,$(JOBS)) --durations=$(DURATIONS)
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow $(call xdist,$(SLOW_JOBS)) --durations=$(DURATIONS)
+	$(BIN)/python -m pytest -q -m "slow and not solo" $(call xdist,$(SLOW_JOBS)) --durations=$(DURATIONS)
+	$(BIN)/python -m pytest -q -m "slow and solo" --durations=$(DURATIONS)
 
 # docs/browse/*.png, the screenshots docs/browse.md shows, taken by the browser tests themselves.
 browse-screenshots: install
