@@ -51,7 +51,7 @@ class FP8Weight:
 
 def params_per_token(cfg) -> int:
     """Weights one token is multiplied with in fp8 (`WRAPPED`): every layer's attention projections and
-    the dense layers' MLP (a `model.ModelConfig`; the planner's share of FLOPs at the fp8 peak)."""
+    the dense layers' MLP (of a `config.ModelConfig`; the planner's share of FLOPs at the fp8 peak)."""
     attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     return cfg.num_layers * attn + cfg.num_dense_layers * 3 * cfg.hidden_size * cfg.intermediate_size
 
