@@ -1,7 +1,8 @@
 """Programs compiled by the real TPU and GPU compilers on this CPU host (docs/targets.md): the train
-steps (dense and MoE, with the targets' attention kernels and grouped matmul) and the serving
-decode step, for tpu-v5p:2x2x1 and h100x8; none of the CPU-only tuning leaks into them; the HLO
-reader counts what the compiled text says; `shipyard plan --target` prints it."""
+steps (dense and MoE, with the targets' attention kernels and grouped matmul, the context ring and
+the pipeline), the serving engine's decode and prefill programs and the RL update, for tpu-v5p:2x2x1
+and h100x8; none of the CPU-only tuning leaks into them; the HLO reader counts what the compiled text
+says; `shipyard plan --target` prints it and the analytic plan counts fp8 at its peak."""
 
 import json
 import re
