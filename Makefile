@@ -31,10 +31,11 @@ quickstart: install
 # The quick tier: every test not marked slow (docs/testing.md: tiers, by measured seconds); test-slow
 # runs the rest, and CI both. JOBS=N spreads `make test` over N worker processes (pytest-xdist;
 # tests/xdist_schedule.py: a module stays on one worker, the costliest start first); SLOW_JOBS the
-# same for `make test-slow`. Measured on 2 cores (docs/testing.md): the quick tier gains nothing from
-# a second worker (its tests compile, and XLA already keeps both cores busy), while the slow tier's
-# tests spend much of their time waiting on subprocesses, servers and clusters, and two workers take
-# it from 61:34 to 39:52; so one and two. Tests marked `solo` (a process's memory or timing under
+# same for `make test-slow`. Measured on 2 cores (docs/testing.md): a second worker gained nothing
+# for the quick tier before the split (its tests compile, and XLA keeps both cores busy) and 8:14
+# against 9:22 in one run since, inside the noise; the slow tier's tests spend much of their time
+# waiting on subprocesses, servers and clusters, and two workers take it from 61:34 to 39:52; so
+# one and two. Tests marked `solo` (a process's memory or timing under
 # load) run after the workers, alone.
 JOBS ?= 1
 SLOW_JOBS ?= 2
