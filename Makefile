@@ -34,11 +34,11 @@ quickstart: install
 # same for `make test-slow`. Measured on 2 cores (docs/testing.md): a second worker gained nothing
 # for the quick tier before the split (its tests compile, and XLA keeps both cores busy) and 8:14
 # against 9:22 in one run since, inside the noise; the slow tier's tests spend much of their time
-# waiting on subprocesses, servers and clusters, and two workers take it from 61:34 to 39:52; so
-# one and two. Tests marked `solo` (a process's memory or timing under
-# load) run after the workers, alone.
+# waiting on subprocesses, servers and clusters: 61:34 on one worker, 39:52 on two, 33:06 on three
+# (the CPU then 80% busy). Tests marked `solo` (a process's memory or timing under load) run after
+# the workers, alone.
 JOBS ?= 1
-SLOW_JOBS ?= 2
+SLOW_JOBS ?= 3
 xdist = $(if $(filter 1,$(1)),,-n $(1) --dist loadgroup)
 # The slowest tests printed at the end (DURATIONS=0: all, what tools/durations_table.py reads).
 DURATIONS ?= 30
