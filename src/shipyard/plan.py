@@ -1039,7 +1039,7 @@ def _compiled_lines(p: dict) -> list[str]:
             f"  arguments     {_fmt(c['argument_bytes'])}  (params {_fmt(c['params_bytes'])}, optimizer+counters {_fmt(c['optimizer_bytes'])})",
             f"  temporaries   {_fmt(c['temp_bytes'])}",
             f"  outputs       {_fmt(c['output_bytes'])}  ({_fmt(c['alias_bytes'])} aliased to donated arguments)",
-            f"  peak          {_fmt(c['peak_bytes'])}",
+            f"  peak          {_fmt(c['peak_bytes'])}" + ("  (the compiler's heap simulation)" if t else ""),
             *(_target_flops_lines(p) if t else []),
             *(
                 []
