@@ -35,8 +35,8 @@ quickstart: install
 # for the quick tier before the split (its tests compile, and XLA keeps both cores busy) and 8:14
 # against 9:22 in one run since, inside the noise; the slow tier's tests spend much of their time
 # waiting on subprocesses, servers and clusters: 61:34 on one worker, 39:52 on two, 33:06 and 39:56
-# on three (two CI runs; both cores then busy, so a fourth cannot help). Tests marked `solo` (a process's memory or timing under load) run after
-# the workers, alone.
+# on three (two CI runs; both cores then busy, so a fourth cannot help). Tests marked `solo` (a
+# process's memory or timing under load) run after the workers, alone.
 JOBS ?= 1
 SLOW_JOBS ?= 3
 xdist = $(if $(filter 1,$(1)),,-n $(1) --dist loadgroup)

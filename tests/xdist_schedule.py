@@ -1,5 +1,5 @@
-"""How a tier spreads over worker processes (pytest-xdist, `-n 2 --dist loadgroup`: `make test-slow` by
-default, `make test JOBS=2`).
+"""How a tier spreads over worker processes (pytest-xdist, `-n N --dist loadgroup`: `make test-slow` on 3
+by default, `make test JOBS=N`).
 
 - A module's tests stay together on one worker: they share module fixtures (a trained run, a running
   server, compiled programs in memory), and split across workers each would build them again.
