@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # s3_server / s3_env / bucket: a real S3-protocol server (moto) on 127.0.0.1, started on first use
-pytest_plugins = ("s3_fixtures", "xdist_schedule")
+pytest_plugins = ("s3_fixtures", "xdist_schedule", "cpu_log")
 
 
 @pytest.fixture(scope="session")
