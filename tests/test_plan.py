@@ -148,7 +148,8 @@ def test_marin_8b_plan_holds_no_full_logits_and_no_seq_by_seq_scores():
     )
     # the old term, 501 GiB, and the head FSDP gathers whole in bf16
     m = cfg.model
-    assert whole["bytes"]["logits"] == tokens * 2 * 4 * m.vocab_size + 2 * m.hidden_size * m.vocab_size
+    assert whole["loss_transient"] == tokens * 2 * 4 * m.vocab_size + 2 * m.hidden_size * m.vocab_size
+    assert whole["bytes"]["logits"] < whole["loss_transient"]  # less the layer backward it precedes
     reference = plan(
         load_config("marin-8b", ["model.attention_impl=reference"]),
         {**ONE, "fsdp": 8},
@@ -157,6 +158,33 @@ def test_marin_8b_plan_holds_no_full_logits_and_no_seq_by_seq_scores():
     )
     assert reference["bytes"]["activations"] > 1.5 * p["bytes"]["activations"]
     assert "2,048 tokens at once" in render(p) and "attention: cudnn" in render(p)
+
+
+def test_the_loss_and_a_layer_s_backward_are_not_counted_together_under_remat():
+    """The loss ends before the first layer's backward starts: under remat the peak holds the larger
+    of the two, plus the head's gradient accumulator; without remat every layer's intermediates are
+    alive while the loss runs, so its transients add."""
+    mesh = {**ONE, "fsdp": 64}
+
+    def bytes_of(*overrides):
+        return plan(load_config("marin-8b", list(overrides)), mesh, DEVICES["h100"], with_compiled=False)
+
+    full = [bytes_of("model.remat=full", f"train.loss_chunk_tokens={n}") for n in (1024, 2048)]
+    # a chunk's logits are smaller than a layer's backward either way: the total does not move
+    assert full[0]["loss_transient"] < full[1]["loss_transient"]
+    assert full[0]["bytes"]["total"] == full[1]["bytes"]["total"]
+    accumulator = 4 * 4096 * 128256  # the fp32 gradient of the gathered head
+    assert full[1]["bytes"]["logits"] == accumulator
+    none = [bytes_of("model.remat=none", f"train.loss_chunk_tokens={n}") for n in (1024, 2048)]
+    grew = none[1]["bytes"]["total"] - none[0]["bytes"]["total"]
+    assert grew == pytest.approx(none[1]["loss_transient"] - none[0]["loss_transient"])
+    # the whole microbatch's logits at once (126 GiB) are far more than a layer's backward: the excess counts
+    whole = bytes_of("model.remat=full", "train.loss_chunk_tokens=null")
+    assert (
+        full[1]["bytes"]["total"]
+        < whole["bytes"]["total"]
+        < full[1]["bytes"]["total"] + whole["loss_transient"]
+    )
 
 
 def test_pipeline_context_and_offload_terms():
