@@ -64,8 +64,9 @@ def connect(cluster: RayCluster):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     check_reachable(cluster)
     try:
+        # "local", not None: Ray reads None as "the cluster started last on this machine, if any"
         ray.init(
-            address=None if cluster.address == "local" else cluster.address,
+            address=cluster.address,
             log_to_driver=False,
             configure_logging=False,
             include_dashboard=False if cluster.address == "local" else None,

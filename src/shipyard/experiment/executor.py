@@ -386,7 +386,8 @@ def _run_on_ray(planned: list[Planned], address: str, log) -> None:
         import ray
     except ImportError as e:
         raise ConfigError("run --ray: ray is not installed (pip install 'shipyard[ray]')") from e
-    ray.init(address=None if address == "local" else address, log_to_driver=True)
+    # "local" goes to Ray as is: None would join the cluster started last on this machine, if any
+    ray.init(address=address, log_to_driver=True)
     try:
         task = ray.remote(_ray_step)
         refs = {}
