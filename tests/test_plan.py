@@ -74,7 +74,33 @@ def test_moe_535b_analytic_on_256_devices_reports_total_and_active():
     assert p["devices"] == 256
     # Experts are split 8 ways and everything else 32 ways over fsdp: far below 1/32 of 16 B/param.
     assert p["bytes"]["params"] < 4 * p["params_total"] / 32
-    assert p["fits"], p["advice"]  # the preset's microbatches fit it in 80 GiB
+    # Dropless on GPUs, the blocked expert compute's gathered weights do not fit in 80 GiB; capacity
+    # mode, which gathers none, does.
+    assert not p["fits"]
+    capped = load_config("moe-535b-a23b", [*FSDP_EXPERT, "model.moe.capacity_factor=1.25"])
+    q = plan(capped, {**ONE, "fsdp": 32, "expert": 8}, DEVICES["h100"], tokens=15e12, with_compiled=False)
+    assert q["fits"], q["advice"]
+
+
+def test_dropless_moe_off_tpu_counts_the_blocked_compute_s_gathered_weights():
+    """Each block of the blocked expert compute gathers its expert's three weight matrices: on the
+    535B recipe on H200s 800 blocks (32 sequences' 196,608 expert rows over 32 local experts, blocks
+    of 256) x 6144 x 2176 x 2 B = 21.4 GB a matrix, XLA:GPU's loop_gather_fusion buffers. The layer's
+    backward recomputes the three, then makes each one's gradient: four at the peak. TPU runs
+    ragged_dot, a grouped-matmul kernel that gathers nothing."""
+    mesh = {**ONE, "pipeline": 3, "fsdp": 64, "expert": 8}
+    one_matrix = 800 * 6144 * 2176 * 2
+
+    def activations(device, *overrides):
+        cfg = load_config("moe-535b-a23b", list(overrides))
+        return plan(cfg, mesh, device, with_compiled=False)["bytes"]["activations"]
+
+    blocked = activations(DEVICES["h200"])
+    ragged = activations(DEVICES["h200"], "model.moe.grouped_matmul=ragged")
+    # the MoE layer is the largest either way: its backward grows by the four matrices exactly
+    assert blocked - ragged == pytest.approx(4 * one_matrix, rel=1e-6)
+    assert activations(DEVICES["tpu-v5p"]) == pytest.approx(ragged, rel=1e-6)
+    assert activations(DEVICES["h200"], "model.moe.capacity_factor=1.25") < ragged
 
 
 @pytest.mark.slow

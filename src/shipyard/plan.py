@@ -270,19 +270,28 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
         layers += [(full + dispatch, dots + c * rows * E)] * m.num_moe_layers
     tokens = b * S / layout.context
     stages = 1 if schedule is None else schedule.stages
+    in_flight = 1 / schedule.microbatches if stages > 1 else 1.0  # one pipeline microbatch at a time
+    gathered = _blocked_expert_weights(cfg, sizes, device, tokens * in_flight, c)
     if stages > 1:
         # The pipeline cuts the last stack (the MoE layers of a MoE model) into equal parts; stage 0
         # also runs a MoE model's leading dense layers, so it holds the most.
         last = m.num_moe_layers if m.moe is not None else m.num_layers
         layers = layers[: len(layers) - last] + layers[len(layers) - last :][: last // stages]
-    in_flight = 1 / schedule.microbatches if stages > 1 else 1.0  # one pipeline microbatch at a time
     peak_layer = max(full for full, _ in layers) * in_flight
+    moe_layers = m.num_moe_layers if stages == 1 or m.moe is None else m.num_moe_layers // stages
+    # The blocked expert compute's gathered weights (per layer, not per token): under remat the
+    # backward recomputes the layer's three, then makes each one's gradient in turn; without remat
+    # every MoE layer's three are saved for the backward.
+    if gathered and m.remat in ("full", "save_dots"):
+        peak_layer = max(
+            peak_layer, (max(full for full, _ in layers[-1:]) * in_flight) + 4 * gathered / tokens
+        )
     if m.remat == "full":
         saved = len(layers) * c * E + peak_layer
     elif m.remat == "save_dots":
         saved = sum(d for _, d in layers) + peak_layer
     else:
-        saved = sum(f for f, _ in layers)
+        saved = sum(f for f, _ in layers) + (3 * moe_layers + 1) * gathered / tokens
     logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
     # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own, and it is
     # the gradient of the gathered head: whole over fsdp until its reduce-scatter after the loop
@@ -308,6 +317,25 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
         "attention_keys": keys,
         "stage_layers": len(layers),
     }
+
+
+def _blocked_expert_weights(
+    cfg: Config, sizes: dict[str, int], device: Device, tokens: float, c: float
+) -> float:
+    """Bytes of one of a dropless MoE layer's weight matrices gathered per block by the blocked expert
+    compute (`moe.block_layout`), or 0 where it does not run (capacity mode; `ragged` on TPU). On the
+    535B recipe on H200s: 800 blocks x 6144 x 2176 x 2 B = 21.4 GB a matrix, XLA:GPU's
+    `loop_gather_fusion` buffers (docs/targets.md)."""
+    from shipyard.model.moe import block_layout, grouped_matmul_impl
+
+    e = cfg.model.moe
+    platform = device.platform or _BACKENDS.get(device.name, "cpu")
+    if e is None or e.capacity_factor is not None or grouped_matmul_impl(e, platform) != "blocked":
+        return 0.0
+    ep = sizes["expert"]
+    rows = int(tokens * ep * e.experts_per_token)  # every copy of the expert group's tokens
+    blocks, _ = block_layout(max(rows, 1), max(e.num_experts // ep, 1))
+    return blocks * cfg.model.hidden_size * e.expert_intermediate_size / sizes["tensor"] * c
 
 
 def _pipeline(layout: Layout) -> dict | None:

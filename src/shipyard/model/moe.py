@@ -178,19 +178,33 @@ def _ragged(xs, group_sizes, w_gate, w_up, w_down):
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
 
 
-def _block_rows(rows: int, experts: int) -> int:
-    # Padding costs up to one block per expert; blocks of about a quarter of
-    # the mean group keep that under ~25% while staying large enough to be
-    # efficient matmuls.
+def grouped_matmul_impl(moe: MoEConfig, platform: str) -> str:
+    """The dropless expert compute that runs on `platform` ("tpu", "gpu", "cpu"): "ragged" or "blocked"."""
+    if moe.grouped_matmul != "auto":
+        return moe.grouped_matmul
+    # ragged_dot is a Mosaic grouped-matmul kernel on TPU; XLA:CPU and XLA:GPU lower it as every
+    # local expert on every row (measured on the compiled 535B step for H200s: 22x the FLOPs
+    # and 2.3x the temporaries of blocked; docs/targets.md)
+    return "ragged" if platform == "tpu" else "blocked"
+
+
+def block_layout(rows: int, experts: int) -> tuple[int, int]:
+    """(blocks, rows per block) of the blocked expert compute for `rows` assignments over `experts`.
+
+    Padding costs up to one block per expert; blocks of about a quarter of the mean group keep that
+    under ~25% while staying large enough to be efficient matmuls. Each block gathers its expert's
+    three weight matrices, so the gathered weights are `blocks` experts' worth (the planner counts
+    them: plan._activation_bytes).
+    """
     target = max(1, rows // (4 * experts))
-    return int(min(256, max(8, 2 ** math.floor(math.log2(target)))))
+    b = int(min(256, max(8, 2 ** math.floor(math.log2(target)))))
+    return -(-(rows + experts * (b - 1)) // b), b
 
 
 def _blocked(xs, group_sizes, w_gate, w_up, w_down):
     """Dropless grouped SwiGLU with per-expert padded blocks and one batched matmul."""
     M, X = xs.shape[0], group_sizes.shape[0]
-    b = _block_rows(M, X)
-    blocks = -(-(M + X * (b - 1)) // b)
+    blocks, b = block_layout(M, X)
     padded = (group_sizes + b - 1) // b * b
     pad_start = jnp.cumsum(padded) - padded
     grp_start = jnp.cumsum(group_sizes) - group_sizes
@@ -245,12 +259,7 @@ def experts_forward(
         out = _swiglu_batched(buf.reshape(X_local, C, -1), w_gate, w_up, w_down).reshape(X_local * C, -1)
         out = jnp.where(kept[:, None], out[jnp.minimum(slot, X_local * C - 1)], 0)
     else:
-        impl = moe.grouped_matmul
-        if impl == "auto":
-            # ragged_dot is a Mosaic grouped-matmul kernel on TPU; XLA:CPU and XLA:GPU lower it as every
-            # local expert on every row (measured on the compiled 535B step for H200s: 22x the FLOPs
-            # and 2.3x the temporaries of blocked; docs/targets.md)
-            impl = "ragged" if backend.platform() == "tpu" else "blocked"
+        impl = grouped_matmul_impl(moe, backend.platform())
         out = (_ragged if impl == "ragged" else _blocked)(xs, group_sizes, w_gate, w_up, w_down)
     w = weights.reshape(-1)[order].astype(out.dtype)
     return jnp.zeros_like(x).at[token].add(out * w[:, None])
