@@ -128,6 +128,13 @@ def count_nodes() -> Iterator[Counter]:
 _READY: dict[str, str] = {}
 
 
+class SetupLost(Exception):
+    """A task could not fetch its stage's setup from the object store: its own node is going away
+    (its raylet was killed, so the worker's pipe to it broke). Raised so that Ray runs the task again
+    elsewhere, as it does when a node dies before a task starts (`retry_exceptions` in `ray_map`):
+    left as the OSError it arrives as, it would fail the stage as the unit's own error."""
+
+
 def _run_unit(fn: Callable, item, boxed_setup: list) -> tuple[str, object]:
     """A Ray task: run the stage's setup once per worker process, then the unit; (the id of the node
     it ran on, the unit's result)."""
@@ -135,7 +142,10 @@ def _run_unit(fn: Callable, item, boxed_setup: list) -> tuple[str, object]:
 
     ref = boxed_setup[0]  # boxed: a top-level ObjectRef argument would arrive resolved, without its id
     if _READY.get("setup") != ref.hex():
-        env, cwd, initializer, initargs = ray.get(ref)
+        try:
+            env, cwd, initializer, initargs = ray.get(ref)
+        except (OSError, ray.exceptions.RayError) as e:
+            raise SetupLost(f"this node could not fetch the stage's setup ({type(e).__name__}: {e})") from e
         storage.apply_environment(env)
         if os.path.isdir(cwd):  # else a relative input fails to open, with a line saying where
             os.chdir(cwd)
@@ -158,7 +168,7 @@ def ray_map(
     Each result's node is counted in the `count_nodes` block this runs in, if any."""
     ray = connect(cluster)
     setup = [ray.put((env, os.getcwd(), initializer, initargs))]
-    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_run_unit)
+    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=[SetupLost])(_run_unit)
     width = 2 * cluster_cpus(ray)
     inflight: deque = deque()
     for item in items:
