@@ -31,14 +31,15 @@ from shipyard.rl.loop import _held_out, run_rl
 pytestmark = pytest.mark.slow
 
 LEARN = [
-    "task=add", "digits=2", "steps=300", "group_size=8", "prompts_per_step=16", "max_tokens=6",
-    "eval_prompts=256", "eval_every=100", "lr=3e-4", "temperature=1.0", "save_every=300",
+    "task=add", "digits=2", "steps=200", "group_size=8", "prompts_per_step=16", "max_tokens=6",
+    "eval_prompts=256", "eval_every=100", "lr=3e-4", "temperature=1.0", "save_every=200",
 ]  # fmt: skip
 BEFORE_AT_MOST, RISE_AT_LEAST = 0.45, 0.08
 """Held-out greedy reward (= pass@1: the reward is 0 or 1) of the SFT model, at most (the task is not
-solved before RL), and its rise after 300 RL steps, at least. Measured here, with the CPU flags the
-CLI and the tests run under: 0.379 -> 0.430, 0.500, 0.504 at steps 100, 200, 300 (+0.125); without
-them (another SFT model from the same data): 0.230 -> 0.316, 0.340, 0.359 (+0.129). The SFT model
+solved before RL), and its rise after 200 RL steps, at least. Measured here, with the CPU flags the
+CLI and the tests run under: 0.383 -> 0.527, 0.547 at steps 100, 200 (+0.164); an earlier build gave
+0.379 -> 0.430, 0.500, 0.504 at steps 100, 200, 300, and without the flags (another SFT model from
+the same data) 0.230 -> 0.316, 0.340, 0.359: most of the rise comes by step 200. The SFT model
 depends on the machine's rounding (1,500 Adam steps), its rise much less: hence a bound on the rise.
 0.08 over 256 held-out prompts is 2.6 standard errors of one score at p = 0.4, and a model that did
 not change scores exactly the same (greedy replies)."""
@@ -100,7 +101,7 @@ def test_held_out_reward_and_pass_at_1_rise(sft_run, tmp_path):
     run_rl(str(sft_run), tmp_path / "rl", build_rl_config(LEARN), say=lambda m: None)
     evals = _evals(tmp_path / "rl")
     first, last = evals[0], evals[-1]
-    assert first["step"] == 0 and last["step"] == 300
+    assert first["step"] == 0 and last["step"] == 200
     assert first["eval_reward"] <= BEFORE_AT_MOST, evals
     assert last["eval_reward"] >= first["eval_reward"] + RISE_AT_LEAST, evals
     assert last["eval_pass@1"] > first["eval_pass@1"]
