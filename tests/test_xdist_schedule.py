@@ -23,21 +23,11 @@ def test_a_group_spread_over_modules_runs_on_one_worker(tmp_path):
             "def test_free():\n"
             "    pass\n"
         )
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    # only xdist and the scheduler: the installed plugins' imports would cost each worker seconds
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    argv = ["-q", "-p", "xdist", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup", "."]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "3",
-            "--dist",
-            "loadgroup",
-            ".",
-        ],
+        [sys.executable, "-m", "pytest", *argv],
         cwd=tmp_path,
         env=env,
         capture_output=True,
