@@ -225,36 +225,24 @@ def _loss_tokens(cfg: Config, tokens: float) -> float:
     return tokens if chunk is None else min(tokens, chunk)
 
 
-def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, float]:
-    """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md).
-
-    Context parallelism splits each sequence's tokens over `context`; a pipeline stage holds
-    1/pipeline of the layers but the saved activations of every pipeline microbatch in flight
-    (all of the microbatch's tokens pass through every stage before the backward pass).
-    """
-    from shipyard.train import chunked_loss
-
-    m, sizes, schedule = cfg.model, layout.mesh.shape, layout.schedule
-    c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
-    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    b = cfg.train.global_batch_size / cfg.train.microbatches / batch_split
-    S, E, D = cfg.data.seq_len, m.hidden_size, m.head_dim
-    t = sizes["tensor"]
+def _layer_bytes(
+    cfg: Config, sizes: dict[str, int], c: float, keys: float, impl: str
+) -> list[tuple[float, float]]:
+    """Per layer, in order: (all intermediates of the layer, the matmul outputs among them) per token,
+    bytes; `c` the compute dtype's bytes, `keys` and `impl` the attention's (`_attention_keys`)."""
+    m, t = cfg.model, sizes["tensor"]
+    E, D = m.hidden_size, m.head_dim
     H, K = m.num_heads / t, m.num_kv_heads / t
-    keys, impl = _attention_keys(cfg, sizes, device)
-
     # cuDNN's and splash's kernels keep each tile of scores on chip (SRAM / VMEM): none in HBM
     scores = 0.0 if impl in ("cudnn", "splash") else H * keys * (4 + c)
 
     def layer(mlp_width: float) -> tuple[float, float]:
-        """(all intermediates of one layer, the matmul outputs among them) per token, bytes."""
         attn = c * (3 * E + (H + 2 * K) * D + (H + K) * D + H * D) + scores
         dots = c * ((H + 2 * K) * D + 2 * E)
         mlp = c * 3 * mlp_width
         return attn + mlp, dots + c * 2 * mlp_width
 
-    dense = layer(m.intermediate_size / t)
-    layers = [dense] * m.num_dense_layers
+    layers = [layer(m.intermediate_size / t)] * m.num_dense_layers
     if m.moe is not None:
         e = m.moe
         # Routed rows per local token: dropless, a device's expert compute takes all k copies of its
@@ -268,6 +256,51 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
         # Expert parallelism all-gathers the group's tokens (ep x E) before sorting copies of them.
         dispatch = c * E * (sizes["expert"] + 2 * rows)
         layers += [(full + dispatch, dots + c * rows * E)] * m.num_moe_layers
+    return layers
+
+
+def _loss_bytes(
+    cfg: Config, sizes: dict[str, int], tokens: float, c: float, overlap: float
+) -> tuple[float, float]:
+    """(what the loss adds to the peak, its transients): the head's gradient accumulator, and of the
+    transients only what exceeds `overlap`, the largest layer's backward under remat.
+
+    The loss runs after the last layer's forward and is done before the first layer's backward, so
+    under remat its transients (a chunk's fp32 logits and their gradient, the gathered head) and the
+    largest layer's backward never coexist: the peak holds the larger of the two. The accumulator is
+    the head's gradient, alive through the layers' backward. Without remat every layer's
+    intermediates are saved, all alive while the loss runs (`overlap` 0). (marin-8b on 64 v5p chips,
+    XLA:TPU's heap peak 28.70 GiB: the saved inputs + the largest layer + the accumulator + the state,
+    docs/targets.md.)
+    """
+    from shipyard.train import chunked_loss
+
+    m, t, E = cfg.model, sizes["tensor"], cfg.model.hidden_size
+    logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
+    # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own, and it is
+    # the gradient of the gathered head: whole over fsdp until its reduce-scatter after the loop
+    # (XLA:GPU's buffer assignment for marin-8b on 64 H100s: f32[4096, 128256]).
+    accumulator = chunked_loss.accumulator_bytes(tokens, E, m.vocab_size / t, cfg.train.loss_chunk_tokens)
+    # FSDP gathers the head whole (compute dtype) for the loss, as it gathers each layer's weights.
+    gathered_head = c * E * m.vocab_size / t if sizes["fsdp"] > 1 else 0.0
+    transient = _loss_tokens(cfg, tokens) * logits + gathered_head
+    return accumulator + max(transient - overlap, 0.0), transient
+
+
+def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, float]:
+    """Activation memory per device of one microbatch's forward+backward (an estimate; see docs/plan.md).
+
+    Context parallelism splits each sequence's tokens over `context`; a pipeline stage holds
+    1/pipeline of the layers but the saved activations of every pipeline microbatch in flight
+    (all of the microbatch's tokens pass through every stage before the backward pass).
+    """
+    m, sizes, schedule = cfg.model, layout.mesh.shape, layout.schedule
+    c = 2.0 if cfg.train.precision.compute_dtype != "float32" else 4.0
+    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    b = cfg.train.global_batch_size / cfg.train.microbatches / batch_split
+    S, E = cfg.data.seq_len, m.hidden_size
+    keys, impl = _attention_keys(cfg, sizes, device)
+    layers = _layer_bytes(cfg, sizes, c, keys, impl)
     tokens = b * S / layout.context
     stages = 1 if schedule is None else schedule.stages
     in_flight = 1 / schedule.microbatches if stages > 1 else 1.0  # one pipeline microbatch at a time
@@ -283,33 +316,18 @@ def _activation_bytes(cfg: Config, layout: Layout, device: Device) -> dict[str, 
     # backward recomputes the layer's three, then makes each one's gradient in turn; without remat
     # every MoE layer's three are saved for the backward.
     if gathered and m.remat in ("full", "save_dots"):
-        peak_layer = max(
-            peak_layer, (max(full for full, _ in layers[-1:]) * in_flight) + 4 * gathered / tokens
-        )
+        peak_layer = max(peak_layer, layers[-1][0] * in_flight + 4 * gathered / tokens)  # a MoE layer
     if m.remat == "full":
         saved = len(layers) * c * E + peak_layer
     elif m.remat == "save_dots":
         saved = sum(d for _, d in layers) + peak_layer
     else:
         saved = sum(f for f, _ in layers) + (3 * moe_layers + 1) * gathered / tokens
-    logits = 2 * 4.0 * m.vocab_size / t  # fp32 logits and their gradient
-    # Chunked, the head's gradient is accumulated over chunks in an fp32 buffer of its own, and it is
-    # the gradient of the gathered head: whole over fsdp until its reduce-scatter after the loop
-    # (XLA:GPU's buffer assignment for marin-8b on 64 H100s: f32[4096, 128256]).
-    accumulator = chunked_loss.accumulator_bytes(tokens, E, m.vocab_size / t, cfg.train.loss_chunk_tokens)
-    # FSDP gathers the head whole (compute dtype) for the loss, as it gathers each layer's weights.
-    gathered_head = c * E * m.vocab_size / t if sizes["fsdp"] > 1 else 0.0
-    # The loss runs after the last layer's forward and is done before the first layer's backward, so
-    # under remat its transients (a chunk's logits, the gathered head) and the largest layer's
-    # backward never coexist: the peak holds the larger of the two. The accumulator is the head's
-    # gradient, alive through the layers' backward. Without remat every layer's intermediates are
-    # saved, all alive while the loss runs. (marin-8b on 64 v5p chips, XLA:TPU's heap peak 28.70 GiB:
-    # the saved inputs + the largest layer + the accumulator + the state, docs/targets.md.)
-    transient = _loss_tokens(cfg, tokens) * logits + gathered_head
     overlap = tokens * peak_layer if m.remat in ("full", "save_dots") else 0.0
+    loss, transient = _loss_bytes(cfg, sizes, tokens, c, overlap)
     return {
         "activations": tokens * saved,
-        "logits": accumulator + max(transient - overlap, 0.0),
+        "logits": loss,
         "loss_transient": transient,
         "logit_tokens": _loss_tokens(cfg, tokens),
         "microbatch_tokens_per_device": tokens,
