@@ -144,7 +144,7 @@ def _run_unit(fn: Callable, item, boxed_setup: list) -> tuple[str, object]:
     if _READY.get("setup") != ref.hex():
         try:
             env, cwd, initializer, initargs = ray.get(ref)
-        except (OSError, ray.exceptions.RayError) as e:
+        except (OSError, ray.exceptions.ObjectLostError) as e:  # not an unpicklable setup: that is no retry's
             raise SetupLost(f"this node could not fetch the stage's setup ({type(e).__name__}: {e})") from e
         storage.apply_environment(env)
         if os.path.isdir(cwd):  # else a relative input fails to open, with a line saying where
