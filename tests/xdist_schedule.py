@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -53,6 +54,12 @@ _GROUPS = pytest.StashKey[Path]()
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         config.stash[_GROUPS] = Path(tempfile.mkdtemp(prefix="shipyard-xdist-")) / "groups.json"
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_GROUPS, None)
+    if path is not None:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)
