@@ -210,13 +210,17 @@ def _attention_keys(cfg: Config, sizes: dict[str, int], device: Device) -> tuple
     d = cfg.data
     segments = d.document_masking or d.chat is not None or d.preference is not None
     dtype = jnp.dtype(cfg.train.precision.compute_dtype)
-    platform = device.platform or _BACKENDS.get(device.name, "cpu")
-    impl = attention_impl(cfg.model, platform, int(keys), dtype, segments)
+    impl = attention_impl(cfg.model, _platform(device), int(keys), dtype, segments)
     return (keys if impl in ("reference", "ordered") else min(keys, cfg.model.attention_block)), impl
 
 
 _BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu"}
 """The JAX backend each planned device runs (what model.attention_impl: auto resolves against)."""
+
+
+def _platform(device: Device) -> str:
+    """The JAX backend `device` runs: what `auto` kernels (attention, grouped matmul) resolve against."""
+    return device.platform or _BACKENDS.get(device.name, "cpu")
 
 
 def _loss_tokens(cfg: Config, tokens: float) -> float:
@@ -347,8 +351,7 @@ def _blocked_expert_weights(
     from shipyard.model.moe import block_layout, grouped_matmul_impl
 
     e = cfg.model.moe
-    platform = device.platform or _BACKENDS.get(device.name, "cpu")
-    if e is None or e.capacity_factor is not None or grouped_matmul_impl(e, platform) != "blocked":
+    if e is None or e.capacity_factor is not None or grouped_matmul_impl(e, _platform(device)) != "blocked":
         return 0.0
     ep = sizes["expert"]
     rows = int(tokens * ep * e.experts_per_token)  # every copy of the expert group's tokens
